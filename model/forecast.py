@@ -1,0 +1,88 @@
+"""The forecast object every forecaster returns, and the contract forecasters keep.
+
+A forecaster is stepped one sample at a time per memory domain, in batches across domains:
+``step(states, samples)`` advances ``states[i]`` by ``samples[i]``. Baselines loop; the LSTM
+runs one batched call. The per-domain state is opaque to callers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from oomcast.model.schema import Sample
+
+# Horizons (seconds) at which every forecaster gives P(OOM within horizon).
+HORIZONS_S: tuple[int, ...] = (5, 15, 30, 60, 120, 300)
+
+
+@dataclass(slots=True, frozen=True)
+class Forecast:
+    risk: dict[int, float]  # horizon_s -> probability of OOM within it; never decreasing
+    time_to_oom_s: float | None  # best estimate, None when no OOM is in sight
+    observed_at: float  # ts of the sample the forecast was made from
+    model_version: str
+
+    def risk_at(self, horizon_s: int) -> float:
+        try:
+            return self.risk[horizon_s]
+        except KeyError:
+            raise ValueError(
+                f"horizon {horizon_s}s is not one of the forecast horizons {sorted(self.risk)}"
+            ) from None
+
+    @property
+    def max_risk(self) -> float:
+        return max(self.risk.values()) if self.risk else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "risk": {str(h): round(p, 6) for h, p in self.risk.items()},
+            "time_to_oom_s": None if self.time_to_oom_s is None else round(self.time_to_oom_s, 3),
+            "observed_at": self.observed_at,
+            "model_version": self.model_version,
+        }
+
+
+class Forecaster(Protocol):
+    version: str  # reported as model_version; baselines start with "baseline/"
+    horizons_s: tuple[int, ...]
+
+    def init_state(self) -> Any: ...
+
+    def step(self, states: list[Any], samples: list[Sample]) -> list[Forecast]: ...
+
+
+def risk_from_time_to_oom(
+    time_to_oom_s: float | None, horizons_s: tuple[int, ...] = HORIZONS_S
+) -> dict[int, float]:
+    """A deterministic forecaster's risk: 1 at every horizon the projected OOM falls within."""
+    if time_to_oom_s is None:
+        return dict.fromkeys(horizons_s, 0.0)
+    return {h: 1.0 if time_to_oom_s <= h else 0.0 for h in horizons_s}
+
+
+@dataclass(frozen=True)
+class AlertRule:
+    """When a forecast counts as an alert: risk at ``horizon_s`` at least ``fire_risk``."""
+
+    horizon_s: int = 60
+    fire_risk: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.horizon_s not in HORIZONS_S:
+            raise ValueError(f"horizon_s={self.horizon_s} is not one of {HORIZONS_S}")
+        if not 0.0 < self.fire_risk <= 1.0:
+            raise ValueError(f"fire_risk={self.fire_risk} must be in (0, 1]")
+
+    def fires(self, forecast: Forecast) -> bool:
+        return forecast.risk_at(self.horizon_s) >= self.fire_risk
+
+
+@dataclass(frozen=True)
+class Detector:
+    """A forecaster plus the rule that turns its forecasts into alerts; what evaluate scores."""
+
+    name: str
+    forecaster: Forecaster
+    rule: AlertRule

@@ -1,0 +1,212 @@
+"""Typed records of the trace format (DESIGN.md) and their validation.
+
+A trace, a Redis sample stream and ``POST /v1/samples`` all carry the same JSON objects: a
+*sample* of one memory domain, or an *event* such as ``oom``. Everything that reads them goes
+through :func:`parse_record`, so a malformed object is refused the same way everywhere, with
+an error that names the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+KINDS = ("gpu", "host")
+# used/allocated/reserved/peak may exceed capacity a little (a cgroup overshoots its limit
+# before reclaim, NVML rounds); more than twice the capacity is a unit mix-up or garbage.
+SANITY_FACTOR = 2.0
+MAX_COUNT = (1 << 63) - 1  # counters and byte counts must fit in a signed 64-bit integer
+OPTIONAL_BYTE_FIELDS = ("allocated_bytes", "reserved_bytes", "peak_bytes")
+
+
+class SchemaError(ValueError):
+    """A record that does not follow the trace format; ``field`` names the offending key."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.message = message
+
+
+Domain = tuple[str, str]  # (node, device)
+
+
+@dataclass(slots=True, frozen=True)
+class Sample:
+    ts: float
+    node: str
+    device: str
+    kind: str
+    total_bytes: int
+    used_bytes: int
+    allocated_bytes: int | None = None
+    reserved_bytes: int | None = None
+    peak_bytes: int | None = None
+    alloc_retries: int | None = None
+    job: str | None = None
+
+    @property
+    def domain(self) -> Domain:
+        return (self.node, self.device)
+
+    @property
+    def used_frac(self) -> float:
+        return self.used_bytes / self.total_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(slots=True, frozen=True)
+class Event:
+    ts: float
+    node: str
+    device: str
+    event: str
+    job: str | None = None
+
+    @property
+    def domain(self) -> Domain:
+        return (self.node, self.device)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+Record = Sample | Event
+
+
+def _ts(obj: dict[str, Any]) -> float:
+    if "ts" not in obj:
+        raise SchemaError("ts", "is required")
+    value = obj["ts"]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SchemaError("ts", f"must be a number of unix seconds, got {value!r}")
+    try:
+        ts = float(value)
+    except OverflowError:
+        raise SchemaError("ts", "is far too large to be unix seconds") from None
+    if not math.isfinite(ts) or ts <= 0:
+        raise SchemaError("ts", f"must be a positive finite number of unix seconds, got {value!r}")
+    return ts
+
+
+def _name(obj: dict[str, Any], key: str) -> str:
+    if key not in obj:
+        raise SchemaError(key, "is required")
+    value = obj[key]
+    if not isinstance(value, str) or not value.strip():
+        raise SchemaError(key, f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _optional_str(obj: dict[str, Any], key: str) -> str | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise SchemaError(key, f"must be a string, got {value!r}")
+    return value
+
+
+def _count(obj: dict[str, Any], key: str, *, required: bool) -> int | None:
+    if key not in obj or obj[key] is None:
+        if required:
+            raise SchemaError(key, "is required")
+        return None
+    value = obj[key]
+    # JSON writers in other languages send 1.6e10 for an integer; accept whole floats only.
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SchemaError(key, f"must be a whole number, got {value!r}")
+    if value < 0:
+        raise SchemaError(key, f"must not be negative, got {value}")
+    if value > MAX_COUNT:
+        raise SchemaError(key, "does not fit in 64 bits")
+    return value
+
+
+def parse_sample(obj: dict[str, Any]) -> Sample:
+    ts = _ts(obj)
+    node = _name(obj, "node")
+    device = _name(obj, "device")
+    kind = obj.get("kind")
+    if kind not in KINDS:
+        raise SchemaError("kind", f"must be one of {', '.join(KINDS)}, got {kind!r}")
+    total = _count(obj, "total_bytes", required=True)
+    assert total is not None
+    if total == 0:
+        raise SchemaError("total_bytes", "must be positive, got 0")
+    used = _count(obj, "used_bytes", required=True)
+    assert used is not None
+    bound = SANITY_FACTOR * total
+    if used > bound:
+        raise SchemaError(
+            "used_bytes",
+            f"{used} is more than {SANITY_FACTOR:g}x total_bytes ({total}); wrong units?",
+        )
+    optional: dict[str, int | None] = {}
+    for key in OPTIONAL_BYTE_FIELDS:
+        value = _count(obj, key, required=False)
+        if value is not None and value > bound:
+            raise SchemaError(
+                key, f"{value} is more than {SANITY_FACTOR:g}x total_bytes ({total}); wrong units?"
+            )
+        optional[key] = value
+    return Sample(
+        ts=ts,
+        node=node,
+        device=device,
+        kind=kind,
+        total_bytes=total,
+        used_bytes=used,
+        allocated_bytes=optional["allocated_bytes"],
+        reserved_bytes=optional["reserved_bytes"],
+        peak_bytes=optional["peak_bytes"],
+        alloc_retries=_count(obj, "alloc_retries", required=False),
+        job=_optional_str(obj, "job"),
+    )
+
+
+def parse_event(obj: dict[str, Any]) -> Event:
+    name = obj.get("event")
+    if not isinstance(name, str) or not name:
+        raise SchemaError("event", f"must be a non-empty string, got {name!r}")
+    return Event(
+        ts=_ts(obj),
+        node=_name(obj, "node"),
+        device=_name(obj, "device"),
+        event=name,
+        job=_optional_str(obj, "job"),
+    )
+
+
+def parse_record(obj: Any) -> Record:
+    """Parse one trace object into a Sample or an Event; unknown keys are ignored."""
+    if not isinstance(obj, dict):
+        raise SchemaError("", f"a record must be a JSON object, got {type(obj).__name__}")
+    if "event" in obj:
+        return parse_event(obj)
+    return parse_sample(obj)
+
+
+class OrderChecker:
+    """Refuses a sample whose ts is not after the previous sample of the same domain."""
+
+    def __init__(self) -> None:
+        self._last_ts: dict[Domain, float] = {}
+
+    def check(self, sample: Sample) -> None:
+        last = self._last_ts.get(sample.domain)
+        if last is not None and sample.ts <= last:
+            raise SchemaError(
+                "ts",
+                f"{sample.ts} is not after the previous sample of {sample.node}/{sample.device}"
+                f" ({last}); samples of one domain must be in time order",
+            )
+
+    def accept(self, sample: Sample) -> None:
+        self.check(sample)
+        self._last_ts[sample.domain] = sample.ts

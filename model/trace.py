@@ -1,0 +1,126 @@
+"""Reading and writing traces: JSON Lines, gzip'ed when the file name ends in ``.gz``.
+
+Readers stop at the first bad line with a :class:`TraceError` that names the file and the
+line, since a trace with a hole in it would silently skew replay and evaluation.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from oomcast.model.schema import (
+    Domain,
+    Event,
+    OrderChecker,
+    Record,
+    Sample,
+    SchemaError,
+    parse_record,
+)
+
+TRACE_SUFFIXES = (".jsonl", ".jsonl.gz")
+
+
+class TraceError(ValueError):
+    def __init__(self, path: Path | str, line: int, message: str) -> None:
+        super().__init__(f"{path}:{line}: {message}")
+        self.path = str(path)
+        self.line = line
+        self.message = message
+
+
+def _open_text(path: Path, mode: str) -> IO[str]:
+    if path.name.endswith(".gz"):
+        return io.TextIOWrapper(gzip.open(path, mode + "b"), encoding="utf-8")
+    return open(path, mode, encoding="utf-8")
+
+
+def iter_trace(path: Path | str) -> Iterator[Record]:
+    """Yield the records of a trace in file order, checking each domain's time order."""
+    path = Path(path)
+    order = OrderChecker()
+    with _open_text(path, "r") as fh:
+        lineno = 0
+        while True:
+            try:
+                line = fh.readline()
+            except (OSError, EOFError, UnicodeDecodeError) as exc:
+                raise TraceError(path, lineno + 1, f"unreadable: {exc}") from exc
+            if not line:
+                return
+            lineno += 1
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceError(path, lineno, f"not valid JSON: {exc.msg}") from exc
+            try:
+                record = parse_record(obj)
+                if isinstance(record, Sample):
+                    order.accept(record)
+            except SchemaError as exc:
+                raise TraceError(path, lineno, str(exc)) from exc
+            yield record
+
+
+@dataclass
+class Trace:
+    """A whole trace in memory, split by domain."""
+
+    path: str
+    samples: dict[Domain, list[Sample]] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+
+    def oom_ts(self, domain: Domain) -> float | None:
+        """ts of the first OOM of this domain, or None if it never OOMs."""
+        times = [e.ts for e in self.events if e.event == "oom" and e.domain == domain]
+        return min(times) if times else None
+
+    @property
+    def ooms(self) -> bool:
+        return any(e.event == "oom" for e in self.events)
+
+    def records(self) -> list[Record]:
+        """All records merged back into time order (samples before events at equal ts)."""
+        merged: list[Record] = [s for ss in self.samples.values() for s in ss]
+        merged.extend(self.events)
+        merged.sort(key=lambda r: (r.ts, isinstance(r, Event)))
+        return merged
+
+
+def load_trace(path: Path | str) -> Trace:
+    trace = Trace(path=str(path))
+    for record in iter_trace(path):
+        if isinstance(record, Sample):
+            trace.samples.setdefault(record.domain, []).append(record)
+        else:
+            trace.events.append(record)
+    return trace
+
+
+def write_trace(path: Path | str, records: Iterable[Record]) -> int:
+    """Write records as one JSON object per line; returns how many were written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with _open_text(path, "w") as fh:
+        for record in records:
+            fh.write(json.dumps(record.to_dict(), separators=(",", ":")))
+            fh.write("\n")
+            n += 1
+    return n
+
+
+def find_traces(folder: Path | str) -> list[Path]:
+    """Trace files directly in or below a folder, sorted by name."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder of traces")
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name.endswith(TRACE_SUFFIXES))

@@ -1,0 +1,149 @@
+"""Redis key names and the encoding of stream entries (DESIGN.md, "Redis layout").
+
+One sample-stream entry carries one tick of one node: field ``samples`` is a JSON list of
+sample objects, each with its embedding (``emb``, ``emb_v``). Events travel one per entry in
+the events stream, field ``event``. Node agents, ``POST /v1/samples`` and the service all
+go through these functions, so the format is defined once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from oomcast.model.schema import Event, Sample, SchemaError, parse_event, parse_sample
+
+ENTRY_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Every Redis key oomcast uses, under one prefix (tests use their own)."""
+
+    prefix: str = "oomcast"
+    partitions: int = 4
+
+    def __post_init__(self) -> None:
+        if self.partitions < 1:
+            raise ValueError(f"partitions={self.partitions} must be at least 1")
+        if not self.prefix or any(c in self.prefix for c in "{} "):
+            raise ValueError(f"key prefix {self.prefix!r} must be non-empty, without braces/spaces")
+
+    def partition_of(self, node: str) -> int:
+        return zlib.crc32(node.encode()) % self.partitions
+
+    def samples(self, partition: int) -> str:
+        # The hash tag keeps one partition's keys in one Redis Cluster slot.
+        return f"{self.prefix}:samples:{{{partition}}}"
+
+    def samples_for(self, node: str) -> str:
+        return self.samples(self.partition_of(node))
+
+    def all_samples(self) -> list[str]:
+        return [self.samples(p) for p in range(self.partitions)]
+
+    @property
+    def events(self) -> str:
+        return f"{self.prefix}:events"
+
+    @property
+    def alerts(self) -> str:
+        return f"{self.prefix}:alerts"
+
+    @property
+    def deadletter(self) -> str:
+        return f"{self.prefix}:deadletter"
+
+    def control(self, node: str) -> str:
+        return f"{self.prefix}:control:{{{node}}}"
+
+
+def sample_payload(sample: Sample, emb: list[float] | None, emb_v: int | None) -> dict[str, Any]:
+    obj = sample.to_dict()
+    if emb is not None:
+        obj["emb"] = [round(x, 6) for x in emb]
+        obj["emb_v"] = emb_v
+    return obj
+
+
+def encode_samples(node: str, payloads: list[dict[str, Any]]) -> dict[str, str]:
+    return {
+        "v": ENTRY_VERSION,
+        "node": node,
+        "n": str(len(payloads)),
+        "samples": json.dumps(payloads, separators=(",", ":")),
+    }
+
+
+def encode_event(event: Event) -> dict[str, str]:
+    return {"v": ENTRY_VERSION, "event": json.dumps(event.to_dict(), separators=(",", ":"))}
+
+
+def _text(fields: dict[Any, Any], key: str) -> str | None:
+    value = fields.get(key, fields.get(key.encode()))
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            raise SchemaError(key, "is not UTF-8") from None
+    return value
+
+
+@dataclass(slots=True)
+class DecodedSample:
+    sample: Sample
+    emb: list[float] | None
+    emb_v: int | None
+
+
+def _embedding(obj: dict[str, Any]) -> tuple[list[float] | None, int | None]:
+    emb, emb_v = obj.get("emb"), obj.get("emb_v")
+    if emb is None:
+        return None, None
+    if not isinstance(emb, list) or not all(
+        isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in emb
+    ):
+        raise SchemaError("emb", "must be a list of finite numbers")
+    if not isinstance(emb_v, int) or isinstance(emb_v, bool):
+        raise SchemaError("emb_v", f"must be an integer schema version, got {emb_v!r}")
+    return [float(x) for x in emb], emb_v
+
+
+def decode_samples(fields: dict[Any, Any]) -> list[DecodedSample | SchemaError]:
+    """Decode a sample entry. A broken entry raises; a broken sample inside a good entry is
+    returned as its SchemaError in place, so one bad sample does not cost its neighbours."""
+    raw = _text(fields, "samples")
+    if raw is None:
+        raise SchemaError("samples", "entry has no 'samples' field")
+    try:
+        objs = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise SchemaError("samples", f"not valid JSON: {exc.msg}") from None
+    if not isinstance(objs, list):
+        raise SchemaError("samples", "must be a JSON list of sample objects")
+    out: list[DecodedSample | SchemaError] = []
+    for i, obj in enumerate(objs):
+        try:
+            if not isinstance(obj, dict):
+                raise SchemaError("", f"must be an object, got {type(obj).__name__}")
+            emb, emb_v = _embedding(obj)
+            out.append(DecodedSample(parse_sample(obj), emb, emb_v))
+        except SchemaError as exc:
+            out.append(SchemaError(f"samples[{i}].{exc.field}".rstrip("."), exc.message))
+    return out
+
+
+def decode_event(fields: dict[Any, Any]) -> Event:
+    raw = _text(fields, "event")
+    if raw is None:
+        raise SchemaError("event", "entry has no 'event' field")
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise SchemaError("event", f"not valid JSON: {exc.msg}") from None
+    if not isinstance(obj, dict):
+        raise SchemaError("event", "must be a JSON object")
+    return parse_event(obj)

@@ -1,0 +1,225 @@
+"""The ``oomcast`` command. Each subcommand imports what it needs when it runs, so the
+collector image (no fastapi) and the service image (no torch) both run this entry point."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+PROG = "oomcast"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+class UsageError(Exception):
+    """A mistake the user can fix; printed without a traceback."""
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UsageError(f"{name}={raw!r} is not a whole number") from None
+
+
+def _keys_from_env() -> Any:
+    from oomcast.model.wire import Keys
+
+    return Keys(os.environ.get("OOMCAST_KEY_PREFIX", "oomcast"), _env_int("OOMCAST_PARTITIONS", 4))
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+
+    def handler(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from oomcast.service.main import create_app
+    from oomcast.service.settings import Settings
+
+    app = create_app(Settings())
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def cmd_collect(args: argparse.Namespace) -> int:
+    import redis
+
+    from oomcast.collectors.agent import NodeAgent
+    from oomcast.collectors.publisher import StreamPublisher
+    from oomcast.collectors.sources.base import Source
+
+    sources: list[Source] = []
+    if args.source == "replay":
+        from oomcast.collectors.sources.replay import ReplaySource
+
+        if not args.trace:
+            raise UsageError("--source replay needs --trace FILE")
+        if not Path(args.trace).is_file():
+            raise UsageError(f"--trace {args.trace}: no such file")
+        sources.append(ReplaySource(args.trace, speed=args.speed))
+    else:
+        from oomcast.collectors.sources.sim import SimGPU, SimSource
+
+        patterns = args.patterns.split(",")
+        gpus = [
+            SimGPU(
+                args.node,
+                f"gpu{i}",
+                patterns[i % len(patterns)],
+                seed=args.seed,
+                time_scale=args.speed,
+            )
+            for i in range(args.gpus)
+        ]
+        sources.append(SimSource(gpus, interval_s=args.interval))
+    url = args.redis_url or os.environ.get("OOMCAST_REDIS_URL") or DEFAULT_REDIS_URL
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=2.0)
+    publisher = StreamPublisher(
+        client,
+        maxlen=_env_int("OOMCAST_STREAM_MAXLEN", 100_000),
+        buffer_samples=args.buffer_samples,
+    )
+    # A replay checks its clock more often than it samples, to keep the trace's own spacing.
+    interval = min(args.interval, 0.05) if args.source == "replay" else args.interval
+    agent = NodeAgent(sources, publisher, _keys_from_env(), interval_s=interval)
+    stop = _stop_on_signals()
+    logging.getLogger(PROG).info("collecting from %s into %s", args.source, url)
+    agent.run(stop)
+    stats = publisher.stats
+    print(
+        f"{PROG} collect: {agent.stats.samples} samples, {agent.stats.events} events;"
+        f" sent {stats.samples_sent}, dropped {stats.samples_dropped},"
+        f" undelivered {publisher.buffered_samples}",
+        file=sys.stderr,
+    )
+    return 0 if publisher.buffered_samples == 0 else 1
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from oomcast.training.simulate import simulate
+
+    manifest = simulate(args.out, n=args.n, seed=args.seed, duration_s=args.duration)
+    ooms = sum(1 for t in manifest["traces"] if t["ooms"])
+    print(f"wrote {manifest['n']} traces ({ooms} end in OOM) and manifest.json to {args.out}")
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from oomcast.model.baselines import baseline_detectors
+    from oomcast.training.evaluate import evaluate_folder, format_table
+
+    if not Path(args.traces).is_dir():
+        raise UsageError(f"--traces {args.traces}: not a folder")
+    result = evaluate_folder(args.traces, baseline_detectors(), min_lead_s=args.min_lead)
+    print(
+        json.dumps(result, indent=None if args.json else 1) if args.json else format_table(result)
+    )
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from oomcast.service.demo import run_demo
+
+    return run_demo(duration_s=args.duration, live=not args.plain, port=args.port, speed=args.speed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Forecast GPU and container OOMs.")
+    p.add_argument(
+        "--log-level",
+        default=os.environ.get("OOMCAST_LOG_LEVEL", "info"),
+        choices=["debug", "info", "warning", "error"],
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="the whole system on this machine, with a live view")
+    d.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    d.add_argument("--plain", action="store_true", help="print lines instead of a live table")
+    d.add_argument("--port", type=int, default=0, help="service port (default: a free one)")
+    d.add_argument("--speed", type=float, default=1.0, help="simulated jobs run this much faster")
+    d.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("serve", help="run the service")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("collect", help="run a node agent")
+    c.add_argument("--source", required=True, choices=["sim", "replay"])
+    c.add_argument("--trace", help="trace file to replay (.jsonl or .jsonl.gz)")
+    c.add_argument("--speed", type=float, default=1.0, help="replay or simulate this much faster")
+    c.add_argument("--interval", type=float, default=1.0, help="sampling interval, seconds")
+    c.add_argument("--node", default=os.environ.get("OOMCAST_NODE") or os.uname().nodename)
+    c.add_argument("--gpus", type=int, default=4, help="simulated GPUs")
+    c.add_argument(
+        "--patterns",
+        default="leak,sawtooth,step_growth,spiky",
+        help="simulated patterns, cycled over the GPUs",
+    )
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument(
+        "--buffer-samples",
+        type=int,
+        default=100_000,
+        help="samples kept while Redis is unreachable",
+    )
+    c.add_argument("--redis-url", default=None, help="default: $OOMCAST_REDIS_URL")
+    c.set_defaults(func=cmd_collect)
+
+    m = sub.add_parser("simulate", help="write labelled traces")
+    m.add_argument("--out", required=True)
+    m.add_argument("--n", type=int, default=50)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--duration", type=float, default=900.0, help="seconds per trace at most")
+    m.set_defaults(func=cmd_simulate)
+
+    e = sub.add_parser("evaluate", help="score the forecasters on a folder of traces")
+    e.add_argument("--traces", required=True)
+    e.add_argument("--min-lead", type=float, default=10.0, help="seconds of warning that count")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.set_defaults(func=cmd_evaluate)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
+    func: Callable[[argparse.Namespace], int] = args.func
+    from oomcast.model.trace import TraceError
+
+    try:
+        return func(args)
+    except UsageError as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except (TraceError, FileNotFoundError, ValueError) as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

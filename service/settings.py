@@ -1,0 +1,96 @@
+"""Service configuration, read from ``OOMCAST_*`` environment variables (or passed in)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from urllib.parse import urlparse
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from oomcast.model.forecast import HORIZONS_S
+
+
+def _default_consumer() -> str:
+    # Stable across restarts of one replica (a StatefulSet pod keeps its hostname), so a
+    # restarted service finds its own unacknowledged entries first.
+    return os.environ.get("HOSTNAME") or socket.gethostname()
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="OOMCAST_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "oomcast"
+    partitions: int = Field(4, ge=1, le=1024)
+    consumer_group: str = "oomcast-service"
+    consumer_name: str = Field(default_factory=_default_consumer)
+    claim_idle_ms: int = Field(
+        30_000, ge=0, description="reclaim other consumers' entries idle this long"
+    )
+    read_count: int = Field(500, ge=1)
+    stream_maxlen: int = Field(100_000, ge=1000)
+    alerts_maxlen: int = Field(10_000, ge=100)
+
+    forecaster: str = Field(
+        "predict_linear_w60s_h60s_gate0.80_full",
+        description="which baseline forecasts until the LSTM model is configured",
+    )
+    alert_horizon_s: int = 60
+    alert_fire_risk: float = Field(0.5, gt=0, le=1)
+    alert_resolve_risk: float = Field(0.2, ge=0, lt=1)
+    alert_fire_after: int = Field(2, ge=1, description="consecutive samples above fire_risk")
+    alert_resolve_after: int = Field(3, ge=1, description="consecutive samples below resolve_risk")
+
+    webhook_url: str | None = None
+    webhook_secret: SecretStr | None = None
+    webhook_timeout_s: float = Field(5.0, gt=0)
+    webhook_max_attempts: int = Field(6, ge=1)
+    webhook_backoff_s: float = Field(0.5, gt=0)
+    webhook_backoff_max_s: float = Field(30.0, gt=0)
+    webhook_queue: int = Field(1000, ge=1)
+
+    api_token: SecretStr | None = None
+    history_len: int = Field(600, ge=10, description="samples kept per domain for /v1/devices")
+    live_after_s: float = Field(600.0, gt=0, description="a domain silent this long is dropped")
+    max_predict_samples: int = Field(10_000, ge=1)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str) -> str:
+        if urlparse(v).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(
+                f"OOMCAST_REDIS_URL must be a redis://, rediss:// or unix:// URL: {v!r}"
+            )
+        return v
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _webhook_url(cls, v: str | None) -> str | None:
+        if v in (None, ""):
+            return None
+        if urlparse(v).scheme not in ("http", "https") or not urlparse(v).netloc:
+            raise ValueError(f"OOMCAST_WEBHOOK_URL must be an http(s) URL: {v!r}")
+        return v
+
+    @field_validator("alert_horizon_s")
+    @classmethod
+    def _horizon(cls, v: int) -> int:
+        if v not in HORIZONS_S:
+            raise ValueError(f"OOMCAST_ALERT_HORIZON_S must be one of {HORIZONS_S}, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.webhook_url and not self.webhook_secret:
+            raise ValueError(
+                "OOMCAST_WEBHOOK_URL is set but OOMCAST_WEBHOOK_SECRET is not: receivers could"
+                " not tell our alerts from forged ones; set a secret"
+            )
+        if self.alert_resolve_risk >= self.alert_fire_risk:
+            raise ValueError(
+                f"OOMCAST_ALERT_RESOLVE_RISK ({self.alert_resolve_risk}) must be below"
+                f" OOMCAST_ALERT_FIRE_RISK ({self.alert_fire_risk}), or alerts would flap"
+            )
+        return self

@@ -1,0 +1,209 @@
+"""Live per-domain state: the latest sample, the forecaster's state, recent history, alerts.
+
+``LiveState.apply`` takes a batch of samples (from any number of domains), refuses those
+out of time order, steps the forecaster once for the batch, and advances each domain's
+alert episode. It is synchronous and does no I/O: the ingest loop and the HTTP routes call
+it and handle Redis and webhooks themselves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from oomcast.model.forecast import Forecast, Forecaster
+from oomcast.model.schema import Domain, Event, Sample, SchemaError
+from oomcast.service import alerts
+from oomcast.service.alerts import AlertPolicy, AlertTracker
+
+
+@dataclass(slots=True)
+class HistoryPoint:
+    ts: float
+    used_bytes: int
+    total_bytes: int
+    risk: float  # at the alert rule's horizon
+    time_to_oom_s: float | None
+
+
+@dataclass
+class DomainState:
+    domain: Domain
+    forecaster_state: Any
+    history: deque[HistoryPoint]
+    last: Sample | None = None
+    forecast: Forecast | None = None
+    alert: AlertTracker = field(default_factory=AlertTracker)
+    samples_seen: int = 0
+    ooms_seen: int = 0
+    last_oom_ts: float | None = None
+    last_seen_wall: float = 0.0
+    job: str | None = None
+
+    def summary(self, horizon_s: int) -> dict[str, Any]:
+        s, f = self.last, self.forecast
+        assert s is not None and f is not None
+        return {
+            "node": s.node,
+            "device": s.device,
+            "kind": s.kind,
+            "job": self.job,
+            "used_bytes": s.used_bytes,
+            "total_bytes": s.total_bytes,
+            "used_frac": round(s.used_frac, 4),
+            "observed_at": s.ts,
+            "risk": {str(h): round(p, 4) for h, p in f.risk.items()},
+            "alert_risk": round(f.risk_at(horizon_s), 4),
+            "time_to_oom_s": None if f.time_to_oom_s is None else round(f.time_to_oom_s, 1),
+            "model_version": f.model_version,
+            "alert": {
+                "firing": self.alert.firing,
+                "episode": self.alert.episode,
+                "fired_at": self.alert.fired_at,
+            },
+            "samples_seen": self.samples_seen,
+            "ooms_seen": self.ooms_seen,
+            "last_oom_ts": self.last_oom_ts,
+        }
+
+
+def _seen_before(st: DomainState, sample: Sample) -> bool:
+    """A redelivered sample matches one already in the domain's history."""
+    for point in reversed(st.history):
+        if point.ts < sample.ts:
+            return False
+        if point.ts == sample.ts and point.used_bytes == sample.used_bytes:
+            return True
+    return False
+
+
+@dataclass(slots=True)
+class Applied:
+    forecasts: list[tuple[DomainState, Forecast]]
+    rejected: list[tuple[Sample, SchemaError]]
+    duplicates: int
+    alerts: list[dict[str, Any]]
+
+
+class LiveState:
+    def __init__(self, forecaster: Forecaster, policy: AlertPolicy, history_len: int = 600) -> None:
+        self.forecaster = forecaster
+        self.policy = policy
+        self.history_len = history_len
+        self.domains: dict[Domain, DomainState] = {}
+
+    def _state(self, domain: Domain) -> DomainState:
+        st = self.domains.get(domain)
+        if st is None:
+            st = DomainState(domain, self.forecaster.init_state(), deque(maxlen=self.history_len))
+            self.domains[domain] = st
+        return st
+
+    def apply(self, samples: list[Sample], now_wall: float | None = None) -> Applied:
+        """Forecast a batch; samples of one domain are applied in order, one per round, so
+        each round steps the forecaster once for all the domains in it (a batched call)."""
+        now_wall = time.time() if now_wall is None else now_wall
+        result = Applied([], [], 0, [])
+        rounds: list[list[Sample]] = []
+        depth: dict[Domain, int] = {}
+        for sample in samples:
+            k = depth.get(sample.domain, 0)
+            depth[sample.domain] = k + 1
+            if k == len(rounds):
+                rounds.append([])
+            rounds[k].append(sample)
+        for round_samples in rounds:
+            self._apply_round(round_samples, now_wall, result)
+        return result
+
+    def _apply_round(self, samples: list[Sample], now_wall: float, result: Applied) -> None:
+        batch: list[tuple[DomainState, Sample]] = []
+        for sample in samples:
+            st = self._state(sample.domain)
+            if st.last is not None and sample.ts <= st.last.ts:
+                if _seen_before(st, sample):
+                    result.duplicates += 1  # at-least-once delivery sends some entries twice
+                else:
+                    problem = SchemaError(
+                        "ts",
+                        f"{sample.ts} is not after the previous sample of"
+                        f" {sample.node}/{sample.device} ({st.last.ts})",
+                    )
+                    result.rejected.append((sample, problem))
+                continue
+            st.last = sample
+            batch.append((st, sample))
+        if not batch:
+            return
+        forecasts = self.forecaster.step(
+            [st.forecaster_state for st, _ in batch], [s for _, s in batch]
+        )
+        horizon = self.policy.rule.horizon_s
+        for (st, sample), fc in zip(batch, forecasts, strict=True):
+            st.forecast = fc
+            st.samples_seen += 1
+            st.last_seen_wall = now_wall
+            if sample.job is not None:
+                st.job = sample.job
+            st.history.append(
+                HistoryPoint(
+                    sample.ts,
+                    sample.used_bytes,
+                    sample.total_bytes,
+                    fc.risk_at(horizon),
+                    fc.time_to_oom_s,
+                )
+            )
+            payload = alerts.update(st.alert, self.policy, sample, fc)
+            if payload is not None:
+                payload["job"] = st.job
+                result.alerts.append(payload)
+            result.forecasts.append((st, fc))
+
+    def on_event(self, event: Event) -> dict[str, Any] | None:
+        """Record an event; an OOM ends the domain's episode and restarts its forecaster."""
+        if event.event != "oom":
+            return None
+        st = self._state(event.domain)
+        st.ooms_seen += 1
+        st.last_oom_ts = event.ts
+        payload = None
+        if st.alert.firing and st.last is not None and st.forecast is not None:
+            payload = alerts.alert_payload(
+                "resolved",
+                st.last,
+                st.forecast,
+                st.alert,
+                self.policy,
+                "the job ran out of memory",
+                job=event.job or st.job,
+            )
+        alerts.reset(st.alert)
+        # The job that OOMed is gone; its successor starts from a clean slate.
+        st.forecaster_state = self.forecaster.init_state()
+        return payload
+
+    def live(self, now_wall: float, live_after_s: float) -> list[DomainState]:
+        """Domains with a forecast and a sample within ``live_after_s``; forgets the rest."""
+        for domain in [
+            d
+            for d, st in self.domains.items()
+            if now_wall - st.last_seen_wall > live_after_s and st.last is not None
+        ]:
+            del self.domains[domain]
+        return [st for st in self.domains.values() if st.forecast is not None]
+
+    def ranked(self, now_wall: float, live_after_s: float) -> list[DomainState]:
+        horizon = self.policy.rule.horizon_s
+        states = self.live(now_wall, live_after_s)
+        assert all(st.forecast is not None for st in states)
+        return sorted(
+            states,
+            key=lambda st: (
+                -st.forecast.risk_at(horizon),  # type: ignore[union-attr]
+                -st.forecast.max_risk,  # type: ignore[union-attr]
+                -(st.last.used_frac if st.last else 0.0),
+            ),
+        )

@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import redis
+from support import leak_trace, sample, write
+
+from oomcast.collectors.agent import NodeAgent
+from oomcast.collectors.publisher import StreamPublisher
+from oomcast.collectors.sources.replay import ReplaySource
+from oomcast.model.embedding import EMBEDDING_VERSION, N_FEATURES
+from oomcast.model.schema import Event, Record
+from oomcast.model.wire import Keys, decode_event, decode_samples
+
+
+class ListSource:
+    name = "list"
+
+    def __init__(self, ticks: list[list[Record]]) -> None:
+        self.ticks = ticks
+
+    def poll(self, now: float) -> list[Record]:
+        return self.ticks.pop(0) if self.ticks else []
+
+    @property
+    def exhausted(self) -> bool:
+        return not self.ticks
+
+
+def test_one_entry_per_node_per_tick_with_embeddings(rclient: redis.Redis, key_prefix: str) -> None:
+    keys = Keys(key_prefix, 4)
+    tick1: list[Record] = [
+        sample(1.0, 0.5, node="a", device="gpu0"),
+        sample(1.0, 0.6, node="a", device="gpu1"),
+        sample(1.0, 0.7, node="b", device="gpu0"),
+    ]
+    tick2: list[Record] = [
+        sample(2.0, 0.55, node="a", device="gpu0"),
+        Event(2.0, "a", "gpu1", "oom"),
+    ]
+    agent = NodeAgent([ListSource([tick1, tick2])], StreamPublisher(rclient), keys)
+    agent.tick()
+    agent.tick()
+    a = rclient.xrange(keys.samples_for("a"))
+    b = rclient.xrange(keys.samples_for("b"))
+    if keys.samples_for("a") == keys.samples_for("b"):
+        a = [e for e in a if e[1][b"node"] == b"a"]
+        b = [e for e in b if e[1][b"node"] == b"b"]
+    assert [len(decode_samples(f)) for _, f in a] == [2, 1]
+    assert len(b) == 1
+    first = json.loads(a[0][1][b"samples"])[0]
+    assert first["emb_v"] == EMBEDDING_VERSION
+    assert len(first["emb"]) == N_FEATURES
+    second = decode_samples(a[1][1])[0]
+    assert second.emb is not None and second.emb[0] == 0.55  # used_frac
+    assert second.emb[8] > 0  # growth since the previous tick of the same GPU
+    (ev,) = rclient.xrange(keys.events)
+    assert decode_event(ev[1]) == Event(2.0, "a", "gpu1", "oom")
+    assert agent.stats.samples == 4 and agent.stats.events == 1
+
+
+def test_run_replays_a_trace_to_the_end(
+    tmp_path: Path, rclient: redis.Redis, key_prefix: str
+) -> None:
+    keys = Keys(key_prefix, 1)
+    trace = write(tmp_path / "t.jsonl.gz", leak_trace(seconds_to_oom=20))
+    agent = NodeAgent(
+        [ReplaySource(trace, speed=100)], StreamPublisher(rclient), keys, interval_s=0.01
+    )
+    agent.run(threading.Event())
+    total = sum(len(decode_samples(f)) for _, f in rclient.xrange(keys.samples(0)))
+    assert total == 20
+    assert rclient.xlen(keys.events) == 1

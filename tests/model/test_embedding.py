@@ -1,0 +1,227 @@
+"""model/embedding.py: the per-sample feature vector."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from oomcast.model.embedding import (
+    EMBEDDING_VERSION,
+    FEATURES,
+    N_FEATURES,
+    EmbeddingState,
+    embed,
+)
+from oomcast.model.schema import Sample
+
+T0 = 1_750_000_000.0
+GIB = 1 << 30
+IDX = {name: i for i, name in enumerate(FEATURES)}
+
+
+def smp(
+    ts: float = T0,
+    total: int = 80 * GIB,
+    used: float = 0.5,
+    *,
+    kind: str = "gpu",
+    allocated: float | None = None,
+    reserved: float | None = None,
+    peak: float | None = None,
+    retries: int | None = None,
+) -> Sample:
+    """Fractions of total in, whole bytes out."""
+
+    def b(frac: float | None) -> int | None:
+        return None if frac is None else int(frac * total)
+
+    return Sample(
+        ts=ts,
+        node="n1",
+        device="gpu0",
+        kind=kind,
+        total_bytes=total,
+        used_bytes=int(used * total),
+        allocated_bytes=b(allocated),
+        reserved_bytes=b(reserved),
+        peak_bytes=b(peak),
+        alloc_retries=retries,
+    )
+
+
+def feat(vec: list[float], name: str) -> float:
+    return vec[IDX[name]]
+
+
+def test_feature_names_are_unique_and_counted() -> None:
+    assert len(set(FEATURES)) == len(FEATURES) == N_FEATURES == 14
+    assert isinstance(EMBEDDING_VERSION, int)
+
+
+def test_length_equals_n_features() -> None:
+    full = smp(allocated=0.4, reserved=0.45, peak=0.55, retries=2)
+    assert len(embed(full, None)) == N_FEATURES
+    assert len(embed(full, smp(ts=T0 - 1))) == N_FEATURES
+    bare = smp(kind="host")
+    assert len(embed(bare, None)) == N_FEATURES
+    assert all(isinstance(x, float) and math.isfinite(x) for x in embed(full, smp(T0 - 1)))
+
+
+def test_fractions_are_read_from_the_sample() -> None:
+    vec = embed(smp(used=0.5, allocated=0.25, reserved=0.375, peak=0.625, retries=0), None)
+    assert feat(vec, "used_frac") == 0.5
+    assert feat(vec, "allocated_frac") == 0.25
+    assert feat(vec, "reserved_frac") == 0.375
+    assert feat(vec, "peak_frac") == 0.625
+    assert feat(vec, "slack_frac") == 0.125  # (reserved - allocated) / total
+    for mask in ("allocated_present", "reserved_present", "peak_present", "retries_present"):
+        assert feat(vec, mask) == 1.0, mask
+    assert feat(vec, "is_gpu") == 1.0
+
+
+def test_same_fractions_on_different_sizes_give_the_same_dimensionless_features() -> None:
+    def pair(ts: float, total: int) -> tuple[Sample, Sample]:
+        prev = smp(ts - 2, total, 0.5, allocated=0.25, reserved=0.375, peak=0.5, retries=3)
+        cur = smp(ts, total, 0.75, allocated=0.5, reserved=0.625, peak=0.8125, retries=10)
+        return prev, cur
+
+    small_prev, small = pair(T0, 16 * GIB)
+    big_prev, big = pair(T0, 80 * GIB)
+    a = embed(small, small_prev)
+    b = embed(big, big_prev)
+    head = IDX["headroom_log2_gib"]
+    for i, name in enumerate(FEATURES):
+        if i != head:
+            assert a[i] == pytest.approx(b[i], abs=1e-12), name
+    # headroom depends on the absolute free bytes by design: 4 GiB free vs 20 GiB free
+    assert a[head] == pytest.approx(math.log2(4 + 1e-3))
+    assert b[head] == pytest.approx(math.log2(20 + 1e-3))
+    assert b[head] - a[head] == pytest.approx(math.log2(5), abs=1e-3)
+    # and the values are not trivially zero
+    assert feat(a, "used_frac_per_s") == pytest.approx(0.125)
+    assert feat(a, "slack_frac") == pytest.approx(0.125)
+
+
+def test_missing_optional_fields_give_mask_zero_and_value_zero() -> None:
+    prev = smp(T0 - 1, used=0.4)
+    vec = embed(smp(T0, used=0.5), prev)
+    for value, mask in (
+        ("allocated_frac", "allocated_present"),
+        ("reserved_frac", "reserved_present"),
+        ("log1p_retries_delta", "retries_present"),
+    ):
+        assert feat(vec, value) == 0.0, value
+        assert feat(vec, mask) == 0.0, mask
+    assert feat(vec, "peak_present") == 0.0
+    assert feat(vec, "peak_frac") == 0.5  # falls back to used_frac, as documented
+    assert feat(vec, "slack_frac") == 0.0
+
+
+def test_missing_optional_fields_on_the_first_sample() -> None:
+    vec = embed(smp(used=0.5), None)
+    assert feat(vec, "allocated_present") == feat(vec, "allocated_frac") == 0.0
+    assert feat(vec, "reserved_present") == feat(vec, "reserved_frac") == 0.0
+    assert feat(vec, "retries_present") == feat(vec, "log1p_retries_delta") == 0.0
+
+
+def test_slack_needs_both_allocated_and_reserved() -> None:
+    assert feat(embed(smp(reserved=0.5), None), "slack_frac") == 0.0
+    assert feat(embed(smp(allocated=0.5), None), "slack_frac") == 0.0
+    assert feat(embed(smp(allocated=0.25, reserved=0.5), None), "slack_frac") == 0.25
+
+
+def test_retries_delta_uses_the_previous_sample() -> None:
+    prev = smp(T0 - 1, retries=5)
+    vec = embed(smp(T0, retries=12), prev)
+    assert feat(vec, "log1p_retries_delta") == pytest.approx(math.log1p(7))
+    assert feat(vec, "retries_present") == 1.0
+    # unchanged counter: present, no retries
+    vec = embed(smp(T0, retries=5), prev)
+    assert feat(vec, "log1p_retries_delta") == 0.0
+    assert feat(vec, "retries_present") == 1.0
+
+
+def test_retries_counter_reset_is_not_negative() -> None:
+    vec = embed(smp(T0, retries=1), smp(T0 - 1, retries=40))  # job restarted
+    assert feat(vec, "log1p_retries_delta") == 0.0
+
+
+def test_retries_on_the_first_sample_count_as_present_with_no_delta() -> None:
+    vec = embed(smp(retries=100), None)
+    assert feat(vec, "log1p_retries_delta") == 0.0
+    assert feat(vec, "retries_present") == 1.0
+
+
+def test_retries_missing_on_either_side_is_masked() -> None:
+    assert feat(embed(smp(T0, retries=3), smp(T0 - 1)), "retries_present") == 0.0
+    assert feat(embed(smp(T0), smp(T0 - 1, retries=3)), "retries_present") == 0.0
+
+
+def test_growth_rate_uses_dt() -> None:
+    prev = smp(T0, used=0.5)
+    fast = embed(smp(T0 + 2, used=0.75), prev)
+    slow = embed(smp(T0 + 8, used=0.75), prev)
+    assert feat(fast, "used_frac_per_s") == pytest.approx(0.125)
+    assert feat(slow, "used_frac_per_s") == pytest.approx(0.03125)
+    assert feat(fast, "log1p_dt_s") == pytest.approx(math.log1p(2))
+    assert feat(slow, "log1p_dt_s") == pytest.approx(math.log1p(8))
+    falling = embed(smp(T0 + 4, used=0.25), prev)
+    assert feat(falling, "used_frac_per_s") == pytest.approx(-0.0625)
+
+
+def test_growth_rate_is_clipped() -> None:
+    prev = smp(T0, used=0.1)
+    assert feat(embed(smp(T0 + 0.1, used=0.9), prev), "used_frac_per_s") == 1.0
+    assert feat(embed(smp(T0 + 1, used=0.9), prev), "used_frac_per_s") == pytest.approx(0.8)
+    back = embed(prev, smp(T0 - 0.1, used=0.9))
+    assert feat(back, "used_frac_per_s") == -1.0
+
+
+def test_growth_rate_uses_fractions_when_capacity_changes() -> None:
+    # a cgroup whose limit was raised: 0.5 of 8 GiB, then 0.5 of 16 GiB: no growth
+    vec = embed(smp(T0 + 1, total=16 * GIB, used=0.5), smp(T0, total=8 * GIB, used=0.5))
+    assert feat(vec, "used_frac_per_s") == 0.0
+
+
+def test_first_sample_has_no_rate_and_no_dt() -> None:
+    vec = embed(smp(used=0.9), None)
+    assert feat(vec, "used_frac_per_s") == 0.0
+    assert feat(vec, "log1p_dt_s") == 0.0
+
+
+def test_zero_or_negative_dt_gives_no_rate() -> None:
+    prev = smp(T0, used=0.5)
+    assert feat(embed(smp(T0, used=0.9), prev), "used_frac_per_s") == 0.0
+    vec = embed(smp(T0 - 5, used=0.9), prev)
+    assert feat(vec, "used_frac_per_s") == 0.0
+    assert feat(vec, "log1p_dt_s") == 0.0
+
+
+def test_headroom_is_log2_free_gib_and_clipped() -> None:
+    assert feat(embed(smp(total=80 * GIB, used=0.75), None), "headroom_log2_gib") == (
+        pytest.approx(math.log2(20 + 1e-3))
+    )
+    full = Sample(
+        ts=T0, node="n", device="d", kind="gpu", total_bytes=GIB, used_bytes=GIB + 1
+    )  # over capacity: no free bytes, the floor of log2(0 + 1e-3)
+    assert feat(embed(full, None), "headroom_log2_gib") == pytest.approx(math.log2(1e-3))
+    huge = Sample(ts=T0, node="n", device="d", kind="host", total_bytes=4096 * GIB, used_bytes=0)
+    assert feat(embed(huge, None), "headroom_log2_gib") == 8.0
+
+
+def test_is_gpu_flag() -> None:
+    assert feat(embed(smp(kind="gpu"), None), "is_gpu") == 1.0
+    assert feat(embed(smp(kind="host"), None), "is_gpu") == 0.0
+
+
+def test_embedding_state_remembers_the_previous_sample() -> None:
+    state = EmbeddingState()
+    first = state.embed(smp(T0, used=0.5, retries=1))
+    second = state.embed(smp(T0 + 4, used=0.75, retries=4))
+    assert feat(first, "used_frac_per_s") == 0.0
+    assert feat(second, "used_frac_per_s") == pytest.approx(0.0625)
+    assert feat(second, "log1p_retries_delta") == pytest.approx(math.log1p(3))
+    assert state.prev is not None
+    assert state.prev.ts == T0 + 4
+    assert second == embed(smp(T0 + 4, used=0.75, retries=4), smp(T0, used=0.5, retries=1))

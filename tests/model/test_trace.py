@@ -1,0 +1,254 @@
+"""model/trace.py: JSON Lines traces (plain and gzip'ed), TraceError, Trace, find_traces."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import support
+
+from oomcast.model.schema import Event, Record, Sample
+from oomcast.model.trace import Trace, TraceError, find_traces, iter_trace, load_trace, write_trace
+
+T0 = support.T0
+GIB = support.GIB
+
+
+def records() -> list[Record]:
+    return [
+        support.sample(T0, 0.5, allocated_bytes=10 * GIB, alloc_retries=0, job="j"),
+        support.sample(T0, 0.2, device="gpu1"),
+        support.sample(T0 + 1, 0.6, reserved_bytes=50 * GIB, peak_bytes=49 * GIB),
+        support.sample(T0 + 1.5, 0.3, device="gpu1"),
+        Event(ts=T0 + 2, node="n1", device="gpu0", event="oom", job="j"),
+    ]
+
+
+def raw(ts: float, **over: Any) -> str:
+    obj: dict[str, Any] = {
+        "ts": ts,
+        "node": "n1",
+        "device": "gpu0",
+        "kind": "gpu",
+        "total_bytes": 100,
+        "used_bytes": 50,
+    }
+    obj.update(over)
+    return json.dumps(obj)
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("name", ["t.jsonl", "t.jsonl.gz"])
+def test_round_trip(tmp_path: Path, name: str) -> None:
+    recs = records()
+    path = tmp_path / "sub" / name  # parent folders are created
+    assert write_trace(path, recs) == len(recs)
+    assert list(iter_trace(path)) == recs
+
+
+def test_gz_trace_is_really_gzip(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl.gz"
+    write_trace(path, records())
+    assert path.read_bytes()[:2] == b"\x1f\x8b"
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        lines = fh.read().splitlines()
+    assert len(lines) == 5
+    assert json.loads(lines[0])["used_bytes"] == 40 * GIB
+    assert json.loads(lines[4])["event"] == "oom"
+
+
+def test_plain_trace_is_one_json_object_per_line(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    write_trace(path, records())
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 5
+    assert [json.loads(line)["ts"] for line in lines] == [T0, T0, T0 + 1, T0 + 1.5, T0 + 2]
+
+
+def test_corrupt_json_line_names_file_and_line(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "bad.jsonl", [raw(T0), raw(T0 + 1), '{"ts": 17500', raw(T0 + 3)])
+    with pytest.raises(TraceError) as info:
+        list(iter_trace(path))
+    assert f"{path}:3:" in str(info.value)
+    assert "bad.jsonl" in str(info.value)
+    assert info.value.line == 3
+    assert info.value.path == str(path)
+    assert "JSON" in info.value.message
+
+
+def test_schema_invalid_line_names_file_line_and_field(tmp_path: Path) -> None:
+    path = write_lines(
+        tmp_path / "bad.jsonl", [raw(T0), raw(T0 + 1), raw(T0 + 2), raw(T0 + 3, total_bytes=-1)]
+    )
+    with pytest.raises(TraceError) as info:
+        load_trace(path)
+    assert f"{path}:4:" in str(info.value)
+    assert info.value.line == 4
+    assert "total_bytes" in info.value.message
+
+
+def test_non_monotonic_ts_names_file_and_line(tmp_path: Path) -> None:
+    path = write_lines(
+        tmp_path / "order.jsonl",
+        [raw(T0), raw(T0 + 5, device="gpu1"), raw(T0 + 2), raw(T0 + 2)],  # gpu0 repeats T0+2
+    )
+    with pytest.raises(TraceError) as info:
+        load_trace(path)
+    assert info.value.line == 4
+    assert f"{path}:4:" in str(info.value)
+    assert "ts" in info.value.message
+
+
+def test_line_numbers_count_blank_lines(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "t.jsonl", [raw(T0), "", "   ", raw(T0 + 1), "", "nope"])
+    with pytest.raises(TraceError) as info:
+        list(iter_trace(path))
+    assert info.value.line == 6
+
+
+def test_errors_are_raised_only_when_the_bad_line_is_reached(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "t.jsonl", [raw(T0), raw(T0 + 1), "{"])
+    it = iter_trace(path)
+    assert next(it).ts == T0
+    assert next(it).ts == T0 + 1
+    with pytest.raises(TraceError):
+        next(it)
+
+
+def test_corrupt_line_in_gz_trace_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as fh:
+        fh.write(raw(T0) + "\n" + "[1, 2]\n")
+    with pytest.raises(TraceError) as info:
+        load_trace(path)
+    assert f"{path}:2:" in str(info.value)
+
+
+def test_gz_name_with_plain_content_is_a_trace_error(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "fake.jsonl.gz", [raw(T0)])
+    with pytest.raises(TraceError) as info:
+        load_trace(path)
+    assert info.value.line == 1
+    assert "fake.jsonl.gz" in str(info.value)
+
+
+def test_trace_error_is_a_value_error() -> None:
+    err = TraceError("x.jsonl", 7, "boom")
+    assert isinstance(err, ValueError)
+    assert str(err) == "x.jsonl:7: boom"
+
+
+def test_blank_lines_are_skipped(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "t.jsonl", ["", raw(T0), "", "  \t", raw(T0 + 1), ""])
+    recs = list(iter_trace(path))
+    assert [r.ts for r in recs] == [T0, T0 + 1]
+
+
+def test_unknown_keys_in_a_trace_are_ignored(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "t.jsonl", [raw(T0, emb=[1.0], emb_v=1, gpu_temp=60)])
+    (rec,) = list(iter_trace(path))
+    assert isinstance(rec, Sample)
+    assert rec.used_bytes == 50
+
+
+def test_empty_trace(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "t.jsonl", [])
+    trace = load_trace(path)
+    assert trace.samples == {}
+    assert trace.events == []
+    assert not trace.ooms
+    assert trace.records() == []
+
+
+def test_load_trace_splits_by_domain(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    write_trace(path, records())
+    trace = load_trace(path)
+    assert trace.path == str(path)
+    assert set(trace.samples) == {("n1", "gpu0"), ("n1", "gpu1")}
+    assert [s.ts for s in trace.samples[("n1", "gpu0")]] == [T0, T0 + 1]
+    assert [s.ts for s in trace.samples[("n1", "gpu1")]] == [T0, T0 + 1.5]
+    assert [e.event for e in trace.events] == ["oom"]
+    assert trace.ooms
+
+
+def test_oom_ts_is_the_first_oom_of_that_domain() -> None:
+    trace = Trace(
+        path="mem",
+        events=[
+            Event(ts=T0 + 9, node="n1", device="gpu0", event="oom"),
+            Event(ts=T0 + 3, node="n1", device="gpu0", event="checkpoint_done"),
+            Event(ts=T0 + 5, node="n1", device="gpu0", event="oom"),
+            Event(ts=T0 + 1, node="n1", device="gpu1", event="oom"),
+        ],
+    )
+    assert trace.oom_ts(("n1", "gpu0")) == T0 + 5
+    assert trace.oom_ts(("n1", "gpu1")) == T0 + 1
+    assert trace.oom_ts(("n2", "gpu0")) is None
+    assert trace.ooms
+
+
+def test_trace_without_oom_event() -> None:
+    trace = Trace(
+        path="mem", events=[Event(ts=T0, node="n1", device="gpu0", event="checkpoint_done")]
+    )
+    assert not trace.ooms
+    assert trace.oom_ts(("n1", "gpu0")) is None
+
+
+def test_records_merge_domains_in_time_order_samples_before_events() -> None:
+    a0 = support.sample(T0, 0.5, device="gpu0")
+    a1 = support.sample(T0 + 2, 0.6, device="gpu0")
+    b0 = support.sample(T0 + 1, 0.5, device="gpu1")
+    b1 = support.sample(T0 + 3, 0.5, device="gpu1")
+    oom = Event(ts=T0 + 2, node="n1", device="gpu0", event="oom")
+    trace = Trace(
+        path="mem",
+        samples={("n1", "gpu0"): [a0, a1], ("n1", "gpu1"): [b0, b1]},
+        events=[oom],
+    )
+    assert trace.records() == [a0, b0, a1, oom, b1]
+
+
+def test_records_of_a_loaded_trace_match_the_written_order(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl.gz"
+    recs = records()
+    write_trace(path, recs)
+    assert load_trace(path).records() == recs
+
+
+def test_find_traces_finds_both_suffixes_recursively_sorted(tmp_path: Path) -> None:
+    write_trace(tmp_path / "b.jsonl", records())
+    write_trace(tmp_path / "a.jsonl.gz", records())
+    write_trace(tmp_path / "deep" / "er" / "c.jsonl", records())
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "d.json").write_text("{}")
+    (tmp_path / "e.jsonl.bak").write_text("")
+    (tmp_path / "dir.jsonl").mkdir()  # a folder, not a trace
+    found = find_traces(tmp_path)
+    assert found == sorted(found)
+    assert {p.relative_to(tmp_path).as_posix() for p in found} == {
+        "a.jsonl.gz",
+        "b.jsonl",
+        "deep/er/c.jsonl",
+    }
+
+
+def test_find_traces_of_an_empty_folder(tmp_path: Path) -> None:
+    assert find_traces(tmp_path) == []
+
+
+def test_find_traces_of_a_missing_folder_raises(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        find_traces(tmp_path / "nowhere")
+    file = tmp_path / "x.jsonl"
+    file.write_text("")
+    with pytest.raises(FileNotFoundError):
+        find_traces(file)

@@ -1,0 +1,285 @@
+"""model/wire.py: Redis key names and the encoding of stream entries."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from oomcast.model.embedding import EMBEDDING_VERSION, N_FEATURES, embed
+from oomcast.model.schema import Event, Sample, SchemaError
+from oomcast.model.wire import (
+    ENTRY_VERSION,
+    DecodedSample,
+    Keys,
+    decode_event,
+    decode_samples,
+    encode_event,
+    encode_samples,
+    sample_payload,
+)
+
+T0 = 1_750_000_000.0
+GIB = 1 << 30
+
+
+def smp(ts: float = T0, device: str = "gpu0", used: int = 40 * GIB, **extra: Any) -> Sample:
+    return Sample(
+        ts=ts,
+        node="n1",
+        device=device,
+        kind="gpu",
+        total_bytes=80 * GIB,
+        used_bytes=used,
+        **extra,
+    )
+
+
+def raw(**over: Any) -> dict[str, Any]:
+    obj: dict[str, Any] = smp().to_dict()
+    obj.update(over)
+    return obj
+
+
+def entry(objs: Any) -> dict[str, str]:
+    return {"v": "1", "node": "n1", "samples": json.dumps(objs)}
+
+
+# --- Keys ------------------------------------------------------------------------------------
+
+
+def test_default_key_names_and_hash_tags() -> None:
+    keys = Keys()
+    assert keys.samples(0) == "oomcast:samples:{0}"
+    assert keys.samples(3) == "oomcast:samples:{3}"
+    assert keys.all_samples() == [
+        "oomcast:samples:{0}",
+        "oomcast:samples:{1}",
+        "oomcast:samples:{2}",
+        "oomcast:samples:{3}",
+    ]
+    assert keys.events == "oomcast:events"
+    assert keys.alerts == "oomcast:alerts"
+    assert keys.deadletter == "oomcast:deadletter"
+    assert keys.control("node-a") == "oomcast:control:{node-a}"
+
+
+def test_custom_prefix_and_partitions() -> None:
+    keys = Keys("oomcast-test-abc", 2)
+    assert keys.all_samples() == ["oomcast-test-abc:samples:{0}", "oomcast-test-abc:samples:{1}"]
+    assert keys.events == "oomcast-test-abc:events"
+    assert keys.control("n1") == "oomcast-test-abc:control:{n1}"
+
+
+def test_partition_is_stable_and_pinned() -> None:
+    # crc32, not hash(): the same node maps to the same partition in every process and release
+    assert Keys().partition_of("node-a") == 3
+    assert Keys().partition_of("node-b") == 1
+    assert Keys(partitions=16).partition_of("node-a") == 11
+    assert Keys().samples_for("node-a") == "oomcast:samples:{3}"
+    assert Keys().partition_of("node-a") == Keys().partition_of("node-a")
+
+
+def test_partition_in_range_and_spread() -> None:
+    for parts in (1, 3, 4, 8):
+        keys = Keys(partitions=parts)
+        seen = {keys.partition_of(f"node-{i}") for i in range(200)}
+        assert seen == set(range(parts))
+        assert keys.samples_for("x") in keys.all_samples()
+
+
+@pytest.mark.parametrize("prefix", ["", "a{b", "a}b", "with space", "{0}"])
+def test_keys_reject_bad_prefix(prefix: str) -> None:
+    with pytest.raises(ValueError, match="prefix"):
+        Keys(prefix)
+
+
+@pytest.mark.parametrize("parts", [0, -1])
+def test_keys_reject_bad_partitions(parts: int) -> None:
+    with pytest.raises(ValueError, match="partitions"):
+        Keys(partitions=parts)
+
+
+# --- sample entries --------------------------------------------------------------------------
+
+
+def test_encode_samples_entry_fields() -> None:
+    payloads = [sample_payload(smp(), None, None), sample_payload(smp(device="gpu1"), None, None)]
+    fields = encode_samples("n1", payloads)
+    assert fields["v"] == ENTRY_VERSION
+    assert fields["node"] == "n1"
+    assert fields["n"] == "2"
+    assert all(isinstance(v, str) for v in fields.values())
+    assert json.loads(fields["samples"]) == payloads
+
+
+def test_sample_payload_rounds_emb_and_leaves_it_out_when_none() -> None:
+    s = smp(job="j")
+    assert sample_payload(s, None, None) == s.to_dict()
+    payload = sample_payload(s, [0.1234567891, 1.0], 3)
+    assert payload["emb"] == [0.123457, 1.0]
+    assert payload["emb_v"] == 3
+    assert payload["job"] == "j"
+
+
+def test_round_trip_with_embeddings() -> None:
+    prev = smp(T0, used=30 * GIB, alloc_retries=1)
+    cur = smp(T0 + 1, used=40 * GIB, allocated_bytes=20 * GIB, alloc_retries=4, job="train")
+    other = smp(T0 + 1, device="gpu1")
+    emb = embed(cur, prev)
+    payloads = [
+        sample_payload(cur, emb, EMBEDDING_VERSION),
+        sample_payload(other, None, None),
+    ]
+    decoded = decode_samples(encode_samples("n1", payloads))
+    assert len(decoded) == 2
+    first, second = decoded
+    assert isinstance(first, DecodedSample)
+    assert first.sample == cur
+    assert first.emb_v == EMBEDDING_VERSION
+    assert first.emb is not None
+    assert len(first.emb) == N_FEATURES
+    assert first.emb == pytest.approx(emb, abs=1e-6)
+    assert all(isinstance(x, float) for x in first.emb)
+    assert isinstance(second, DecodedSample)
+    assert second.sample == other
+    assert second.emb is None
+    assert second.emb_v is None
+
+
+def test_integer_emb_values_come_back_as_floats() -> None:
+    (d,) = decode_samples(entry([raw(emb=[0, 1, 2], emb_v=1)]))
+    assert isinstance(d, DecodedSample)
+    assert d.emb == [0.0, 1.0, 2.0]
+    assert all(type(x) is float for x in d.emb)
+
+
+def test_bytes_field_names_and_values_are_accepted() -> None:
+    payload = sample_payload(smp(), [0.5], 1)
+    text = encode_samples("n1", [payload])
+    as_bytes = {k.encode(): v.encode() for k, v in text.items()}
+    (d,) = decode_samples(as_bytes)
+    assert isinstance(d, DecodedSample)
+    assert d.sample == smp()
+    assert d.emb == [0.5]
+    ev = Event(ts=T0, node="n1", device="gpu0", event="oom")
+    assert decode_event({k.encode(): v.encode() for k, v in encode_event(ev).items()}) == ev
+
+
+def test_bad_sample_comes_back_as_schema_error_in_place() -> None:
+    good0 = raw()
+    bad = raw(ts=T0 + 1, total_bytes=-1)
+    good2 = raw(ts=T0 + 2, device="gpu1")
+    out = decode_samples(entry([good0, bad, good2]))
+    assert len(out) == 3
+    assert isinstance(out[0], DecodedSample)
+    assert out[0].sample.ts == T0
+    assert isinstance(out[1], SchemaError)
+    assert out[1].field == "samples[1].total_bytes"
+    assert str(out[1]).startswith("samples[1].total_bytes: ")
+    assert isinstance(out[2], DecodedSample)
+    assert out[2].sample.device == "gpu1"
+
+
+@pytest.mark.parametrize(
+    ("obj", "field"),
+    [
+        (raw(kind="tpu"), "samples[0].kind"),
+        ({k: v for k, v in raw().items() if k != "node"}, "samples[0].node"),
+        (raw(used_bytes=1.5), "samples[0].used_bytes"),
+        (raw(emb="0.1,0.2", emb_v=1), "samples[0].emb"),
+        (raw(emb=[0.1, True], emb_v=1), "samples[0].emb"),
+        (raw(emb=[0.1], emb_v=None), "samples[0].emb_v"),
+        (raw(emb=[0.1], emb_v="1"), "samples[0].emb_v"),
+        (raw(emb=[0.1], emb_v=True), "samples[0].emb_v"),
+        (["not", "an", "object"], "samples[0]"),
+        (7, "samples[0]"),
+    ],
+)
+def test_bad_sample_field_is_named(obj: Any, field: str) -> None:
+    (err,) = decode_samples(entry([obj]))
+    assert isinstance(err, SchemaError)
+    assert err.field == field
+
+
+def test_emb_v_without_emb_is_ignored() -> None:
+    (d,) = decode_samples(entry([raw(emb_v=1)]))
+    assert isinstance(d, DecodedSample)
+    assert d.emb is None
+    assert d.emb_v is None
+
+
+def test_events_are_not_samples() -> None:
+    (err,) = decode_samples(entry([{"ts": T0, "node": "n1", "device": "gpu0", "event": "oom"}]))
+    assert isinstance(err, SchemaError)
+    assert err.field.startswith("samples[0].")
+
+
+def test_empty_list_decodes_to_nothing() -> None:
+    assert decode_samples(entry([])) == []
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"v": "1", "node": "n1"},
+        {"v": "1", "node": "n1", "samples": "[{"},
+        {"v": "1", "node": "n1", "samples": '{"ts": 1}'},
+        {"v": "1", "node": "n1", "samples": '"samples"'},
+        {"v": "1", "node": "n1", "samples": "null"},
+        {b"samples": b"\xff\xfe"},
+    ],
+)
+def test_broken_entry_raises(fields: dict[Any, Any]) -> None:
+    with pytest.raises(SchemaError) as info:
+        decode_samples(fields)
+    assert info.value.field == "samples"
+
+
+def test_broken_entry_messages() -> None:
+    with pytest.raises(SchemaError, match="no 'samples' field"):
+        decode_samples({})
+    with pytest.raises(SchemaError, match="not valid JSON"):
+        decode_samples({"samples": "nope"})
+    with pytest.raises(SchemaError, match="list"):
+        decode_samples({"samples": "{}"})
+
+
+def test_huge_integer_in_one_sample_does_not_sink_the_entry() -> None:
+    good = json.dumps(raw())
+    bad = json.dumps(raw()).replace(f'"total_bytes": {80 * GIB}', '"total_bytes": 1' + "0" * 400)
+    assert bad != json.dumps(raw())
+    out = decode_samples({"samples": f"[{good},{bad}]"})
+    assert isinstance(out[0], DecodedSample)
+    assert isinstance(out[1], SchemaError)
+
+
+# --- events ----------------------------------------------------------------------------------
+
+
+def test_event_round_trip() -> None:
+    ev = Event(ts=T0, node="n1", device="gpu0", event="oom", job="train")
+    fields = encode_event(ev)
+    assert fields["v"] == ENTRY_VERSION
+    assert json.loads(fields["event"]) == ev.to_dict()
+    assert decode_event(fields) == ev
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "match"),
+    [
+        ({"v": "1"}, "event", "no 'event' field"),
+        ({"event": "{"}, "event", "not valid JSON"),
+        ({"event": "[1]"}, "event", "JSON object"),
+        ({"event": '"oom"'}, "event", "JSON object"),
+        ({"event": json.dumps({"ts": T0, "node": "n", "device": "d"})}, "event", "non-empty"),
+        ({"event": json.dumps({"node": "n", "device": "d", "event": "oom"})}, "ts", "required"),
+        ({"event": json.dumps({"ts": T0, "device": "d", "event": "oom"})}, "node", "required"),
+        ({b"event": b"\xff"}, "event", "UTF-8"),
+    ],
+)
+def test_decode_event_errors(fields: dict[Any, Any], field: str, match: str) -> None:
+    with pytest.raises(SchemaError, match=match) as info:
+        decode_event(fields)
+    assert info.value.field == field

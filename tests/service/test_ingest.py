@@ -1,0 +1,200 @@
+"""The stream consumer against the real Redis: dead letters, acks, and recovery of entries
+left pending by a crashed or dead replica (including a real SIGKILL of `oomcast serve`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from conftest import free_port, oomcast_cmd, wait_until
+from fastapi.testclient import TestClient
+from support import GIB, T0
+
+from oomcast.model.wire import Keys, encode_samples
+from oomcast.service.main import create_app
+from oomcast.service.settings import Settings
+
+GROUP = "oomcast-service"
+
+
+def payload(node: str, device: str, ts: float, frac: float = 0.5) -> dict[str, Any]:
+    return {
+        "ts": ts,
+        "node": node,
+        "device": device,
+        "kind": "gpu",
+        "total_bytes": 80 * GIB,
+        "used_bytes": int(frac * 80 * GIB),
+    }
+
+
+def add(client: redis.Redis, keys: Keys, node: str, payloads: list[dict[str, Any]]) -> bytes:
+    return client.xadd(keys.samples_for(node), encode_samples(node, payloads))  # type: ignore[arg-type]
+
+
+def pending(client: redis.Redis, keys: Keys) -> int:
+    total = 0
+    for stream in [*keys.all_samples(), keys.events]:
+        with contextlib.suppress(redis.ResponseError):  # no group yet
+            total += client.xpending(stream, GROUP)["pending"]
+    return total
+
+
+def app_settings(redis_url: str, prefix: str, **kw: Any) -> Settings:
+    base: dict[str, Any] = {
+        "redis_url": redis_url,
+        "key_prefix": prefix,
+        "partitions": 2,
+        "consumer_name": "svc-1",
+    }
+    base.update(kw)
+    return Settings(**base)
+
+
+def seen(c: TestClient, node: str, device: str) -> int:
+    r = c.get(f"/v1/devices/{node}/{device}")
+    return int(r.json()["samples_seen"]) if r.status_code == 200 else 0
+
+
+def test_malformed_entries_are_dead_lettered_and_ingest_goes_on(
+    redis_url: str, key_prefix: str, rclient: redis.Redis
+) -> None:
+    keys = Keys(key_prefix, 2)
+    stream = keys.samples_for("n1")
+    rclient.xadd(stream, {"v": "1", "node": "n1"})  # no samples field
+    rclient.xadd(stream, {"v": "1", "samples": "{not json"})
+    rclient.xadd(stream, {"samples": b"\xff\xfe"})  # not UTF-8
+    bad_and_good = [payload("n1", "gpu0", T0), {**payload("n1", "gpu1", T0), "total_bytes": -1}]
+    add(rclient, keys, "n1", bad_and_good)
+    add(rclient, keys, "n1", [payload("n1", "gpu0", T0 + 1)])
+    rclient.xadd(keys.events, {"event": "[1,2]"})
+    with TestClient(create_app(app_settings(redis_url, key_prefix))) as c:
+        assert wait_until(lambda: seen(c, "n1", "gpu0") == 2)
+        assert wait_until(lambda: pending(rclient, keys) == 0)
+        dead = rclient.xrange(keys.deadletter)
+        reasons = [f[b"reason"].decode() for _, f in dead]
+        assert len(reasons) == 5
+        assert any("no 'samples' field" in r for r in reasons)
+        assert any("not valid JSON" in r for r in reasons)
+        assert any("UTF-8" in r for r in reasons)
+        assert any("samples[1].total_bytes" in r for r in reasons)
+        assert any(r.startswith("event") for r in reasons)
+        # The dead letter keeps what arrived, so nothing accepted is lost.
+        assert any(f.get(b"orig.samples") == b"{not json" for _, f in dead)
+        assert seen(c, "n1", "gpu1") == 0
+        assert "oomcast_deadletters_total 5.0" in c.get("/metrics").text
+
+
+def test_restart_processes_entries_it_had_read_but_not_acked(
+    redis_url: str, key_prefix: str, rclient: redis.Redis
+) -> None:
+    keys = Keys(key_prefix, 2)
+    stream = keys.samples_for("n1")
+    rclient.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    for i in range(5):
+        add(rclient, keys, "n1", [payload("n1", "gpu0", T0 + i)])
+    # What a replica killed mid-batch leaves behind: entries delivered to it, never acked.
+    rclient.xreadgroup(GROUP, "svc-1", {stream: ">"}, count=100)
+    assert pending(rclient, keys) == 5
+    with TestClient(create_app(app_settings(redis_url, key_prefix))) as c:
+        assert wait_until(lambda: seen(c, "n1", "gpu0") == 5)
+        assert wait_until(lambda: pending(rclient, keys) == 0)
+        assert "oomcast_claimed_entries_total 5.0" in c.get("/metrics").text
+
+
+def test_entries_of_a_dead_replica_are_claimed(
+    redis_url: str, key_prefix: str, rclient: redis.Redis
+) -> None:
+    keys = Keys(key_prefix, 2)
+    stream = keys.samples_for("n1")
+    rclient.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    for i in range(3):
+        add(rclient, keys, "n1", [payload("n1", "gpu0", T0 + i)])
+    rclient.xreadgroup(GROUP, "replica-that-died", {stream: ">"}, count=100)
+    s = app_settings(redis_url, key_prefix, consumer_name="svc-2", claim_idle_ms=200)
+    with TestClient(create_app(s)) as c:
+        assert wait_until(lambda: seen(c, "n1", "gpu0") == 3)
+        assert wait_until(lambda: pending(rclient, keys) == 0)
+
+
+@pytest.fixture
+def served(redis_url: str, key_prefix: str) -> Iterator[Any]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "OOMCAST_REDIS_URL": redis_url,
+        "OOMCAST_KEY_PREFIX": key_prefix,
+        "OOMCAST_PARTITIONS": "2",
+        "OOMCAST_CONSUMER_NAME": "svc-kill",
+    }
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start() -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            oomcast_cmd("serve", "--port", str(port)),
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        procs.append(proc)
+
+        def ready() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(ready, 30), "oomcast serve did not become ready"
+        return proc
+
+    start.base = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_sigkill_loses_no_pending_sample(
+    served: Any, rclient: redis.Redis, key_prefix: str
+) -> None:
+    keys = Keys(key_prefix, 2)
+    proc = served()
+    # Freeze the service while it waits in XREADGROUP: Redis hands the next entry to the
+    # blocked reader, which can then never ack it. Then kill it for real.
+    for attempt in range(50):
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(0.05)
+        add(rclient, keys, "n1", [payload("n1", f"victim{attempt}", T0)])
+        time.sleep(0.1)
+        if pending(rclient, keys):
+            break
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.05)
+    else:
+        pytest.fail("could not catch the service inside XREADGROUP")
+    assert pending(rclient, keys) == 1
+    victim = f"victim{attempt}"
+    proc.kill()
+    proc.wait()
+    served()  # same consumer name, as a restarted replica has
+    base = served.base
+
+    def processed() -> bool:
+        r = httpx.get(f"{base}/v1/devices/n1/{victim}")
+        return r.status_code == 200 and r.json()["samples_seen"] == 1
+
+    assert wait_until(processed, 20)
+    assert wait_until(lambda: pending(rclient, keys) == 0)
+    metrics = httpx.get(f"{base}/metrics").text
+    assert "oomcast_claimed_entries_total 1.0" in metrics
+    assert json.loads(httpx.get(f"{base}/readyz").text)["status"] == "ready"

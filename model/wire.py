@@ -92,6 +92,16 @@ def _text(fields: dict[Any, Any], key: str) -> str | None:
     return value
 
 
+def _json_field(fields: dict[Any, Any], key: str) -> Any:
+    raw = _text(fields, key)
+    if raw is None:
+        raise SchemaError(key, f"entry has no '{key}' field")
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise SchemaError(key, f"not valid JSON: {exc.msg}") from None
+
+
 @dataclass(slots=True)
 class DecodedSample:
     sample: Sample
@@ -115,13 +125,7 @@ def _embedding(obj: dict[str, Any]) -> tuple[list[float] | None, int | None]:
 def decode_samples(fields: dict[Any, Any]) -> list[DecodedSample | SchemaError]:
     """Decode a sample entry. A broken entry raises; a broken sample inside a good entry is
     returned as its SchemaError in place, so one bad sample does not cost its neighbours."""
-    raw = _text(fields, "samples")
-    if raw is None:
-        raise SchemaError("samples", "entry has no 'samples' field")
-    try:
-        objs = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise SchemaError("samples", f"not valid JSON: {exc.msg}") from None
+    objs = _json_field(fields, "samples")
     if not isinstance(objs, list):
         raise SchemaError("samples", "must be a JSON list of sample objects")
     out: list[DecodedSample | SchemaError] = []
@@ -137,13 +141,7 @@ def decode_samples(fields: dict[Any, Any]) -> list[DecodedSample | SchemaError]:
 
 
 def decode_event(fields: dict[Any, Any]) -> Event:
-    raw = _text(fields, "event")
-    if raw is None:
-        raise SchemaError("event", "entry has no 'event' field")
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise SchemaError("event", f"not valid JSON: {exc.msg}") from None
+    obj = _json_field(fields, "event")
     if not isinstance(obj, dict):
         raise SchemaError("event", "must be a JSON object")
     return parse_event(obj)

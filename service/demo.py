@@ -292,8 +292,8 @@ def run_demo(
             with service_in_thread(settings, port or free_port()) as base, collectors(url, speed):
                 say(f"service: {base}  (try {base}/v1/devices or {base}/docs)")
                 say(f"webhooks: {inbox.url}, HMAC-signed; Ctrl-C stops the demo")
-                _watch(base, inbox, stop, duration_s, live)
-            _report(inbox)
+                ooms = _watch(base, inbox, stop, duration_s, live)
+            _report(inbox, ooms)
             _delete_demo_keys(url)
     except DemoError as exc:
         print(f"oomcast demo: error: {exc}", file=sys.stderr)
@@ -305,7 +305,8 @@ def run_demo(
 
 def _watch(
     base: str, inbox: WebhookInbox, stop: threading.Event, duration_s: float | None, live: bool
-) -> None:
+) -> int:
+    """Show the service's view until stopped; returns how many OOMs the service saw."""
     from rich.console import Console, Group
     from rich.live import Live
     from rich.text import Text
@@ -315,6 +316,7 @@ def _watch(
     shown = 0
     client = httpx.Client(base_url=base, timeout=2)
     ctx = Live(console=console, refresh_per_second=4) if live else contextlib.nullcontext()
+    ooms = 0
     try:
         with ctx as view:
             last_plain = 0.0
@@ -323,6 +325,7 @@ def _watch(
                     data = client.get("/v1/devices").json()
                 except httpx.HTTPError:
                     data = {"devices": [], "alert_horizon_s": 60}
+                ooms = max(ooms, sum(d["ooms_seen"] for d in data["devices"]))
                 received = inbox.snapshot()
                 if view is not None:
                     lines = [_alert_line(a, ok) for a, ok in received[-8:]]
@@ -351,9 +354,10 @@ def _watch(
         pass
     finally:
         client.close()
+    return ooms
 
 
-def _report(inbox: WebhookInbox) -> None:
+def _report(inbox: WebhookInbox, ooms: int) -> None:
     received = inbox.snapshot()
     firing = sum(1 for a, _ in received if a["status"] == "firing")
     by_oom = sum(
@@ -363,6 +367,6 @@ def _report(inbox: WebhookInbox) -> None:
     )
     bad = sum(1 for _, ok in received if not ok)
     print(
-        f"demo over: {len(received)} webhooks received ({bad} with a bad signature);"
-        f" {firing} alerts fired, {by_oom} of those episodes ended in the OOM they predicted."
+        f"demo over: {ooms} OOMs, {by_oom} of them warned of in advance; {firing} alerts"
+        f" fired in all; {len(received)} webhooks received, {bad} with a bad signature."
     )

@@ -38,6 +38,22 @@ def settings(redis_url: str, key_prefix: str, **kw: Any) -> Settings:
     )
 
 
+def ramp(start_frac: float, n: int) -> list[dict[str, Any]]:
+    """A GPU whose use grows by 1% of capacity per second from ``start_frac``."""
+    return [
+        {
+            "ts": T0 + i,
+            "node": "n1",
+            "device": "gpu0",
+            "kind": "gpu",
+            "total_bytes": 100 * GIB,
+            "used_bytes": int((start_frac + 0.01 * i) * 100 * GIB),
+            "job": "j",
+        }
+        for i in range(n)
+    ]
+
+
 @pytest.fixture
 def client(redis_url: str, key_prefix: str) -> Iterator[TestClient]:
     with TestClient(create_app(settings(redis_url, key_prefix))) as c:
@@ -58,19 +74,7 @@ def test_samples_are_ingested_and_listed_riskiest_first(client: TestClient) -> N
     ]
     # 90% full after growing 1%/s for a minute: the default rule (predict_linear over a full
     # 60 s window, gated at 80%) projects an OOM in 10 s.
-    hot = [
-        {
-            "ts": T0 + i,
-            "node": "n1",
-            "device": "gpu0",
-            "kind": "gpu",
-            "total_bytes": 100 * GIB,
-            "used_bytes": (10 + i) * GIB,
-        }
-        for i in range(61)
-    ]
-    for i in range(61):
-        hot[i]["used_bytes"] = int((0.3 + 0.01 * i) * 100 * GIB)
+    hot = ramp(0.3, 61)
     r = client.post("/v1/samples", json={"samples": calm + hot})
     assert r.status_code == 202, r.text
     assert r.json()["accepted"] == 64
@@ -175,18 +179,7 @@ def test_alerts_endpoint_lists_recorded_alerts(
     redis_url: str, key_prefix: str, webhook_receiver: Any
 ) -> None:
     s = settings(redis_url, key_prefix, webhook_url=webhook_receiver.url, webhook_secret="k")
-    hot = [
-        {
-            "ts": T0 + i,
-            "node": "n1",
-            "device": "gpu0",
-            "kind": "gpu",
-            "total_bytes": 100 * GIB,
-            "used_bytes": int((0.2 + 0.01 * i) * 100 * GIB),
-            "job": "j",
-        }
-        for i in range(70)
-    ]
+    hot = ramp(0.2, 70)
     with TestClient(create_app(s)) as c:
         assert c.post("/v1/samples", json={"samples": hot}).status_code == 202
         assert wait_until(lambda: c.get("/v1/alerts").json()["count"] >= 1)

@@ -8,10 +8,12 @@ from fastapi import APIRouter, HTTPException, Query
 from oomcast.service.api.deps import Authorized, Ctx
 
 router = APIRouter(tags=["devices"], dependencies=[Authorized])
+# These handlers are async on purpose: they then run on the event loop, between ingest
+# batches, and never see the live state while the ingest loop is changing it.
 
 
 @router.get("/devices")
-def list_devices(ctx: Ctx, limit: int = Query(1000, ge=1, le=100_000)) -> dict[str, Any]:
+async def list_devices(ctx: Ctx, limit: int = Query(1000, ge=1, le=100_000)) -> dict[str, Any]:
     """Every live memory domain with its latest forecast, riskiest first."""
     horizon = ctx.live.policy.rule.horizon_s
     states = ctx.live.ranked(time.time(), ctx.settings.live_after_s)
@@ -23,7 +25,7 @@ def list_devices(ctx: Ctx, limit: int = Query(1000, ge=1, le=100_000)) -> dict[s
 
 
 @router.get("/devices/{node}/{device:path}")
-def get_device(
+async def get_device(
     node: str, device: str, ctx: Ctx, history: int = Query(300, ge=0, le=100_000)
 ) -> dict[str, Any]:
     """One domain with its recent history (``device`` may contain slashes: cgroup paths)."""

@@ -43,6 +43,6 @@ async def readyz(ctx: Ctx, response: Response) -> dict[str, object]:
 
 
 @router.get("/metrics")
-def metrics(ctx: Ctx) -> Response:
+async def metrics(ctx: Ctx) -> Response:
     ctx.metrics.domains.set(len(ctx.live.live(time.time(), ctx.settings.live_after_s)))
     return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)

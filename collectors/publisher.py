@@ -82,12 +82,14 @@ class StreamPublisher:
                 for e in batch:
                     pipe.xadd(e.stream, e.fields, maxlen=self.maxlen, approximate=True)
                 pipe.execute()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except redis.RedisError as exc:
+                # Connection loss, but also a full (maxmemory) or read-only (failover) Redis:
+                # keep the samples and keep sampling until it takes writes again.
                 self.stats.publish_errors += 1
                 self._backoff_s = min(self.max_backoff_s, max(0.25, self._backoff_s * 2))
                 self._retry_at = self._clock() + self._backoff_s
                 log.warning(
-                    "Redis unreachable (%s); %d samples buffered, %d dropped; retry in %.1fs",
+                    "Redis did not take samples (%s); %d buffered, %d dropped; retry in %.1fs",
                     exc,
                     self._buffered,
                     self.stats.samples_dropped,

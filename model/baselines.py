@@ -31,6 +31,7 @@ MIB = 1 << 20
 # Below this growth (used fraction per second: 1% a day) a fitted slope is rounding noise of
 # the running sums, not a trend; projecting from it would give absurd times to OOM.
 MIN_SLOPE_PER_S = 1e-7
+REBASE_AFTER_S = 3600.0
 
 
 class ThresholdBaseline:
@@ -76,6 +77,19 @@ class _LinearState:
         self.sy += y
         self.sxx += x * x
         self.sxy += x * y
+
+    def rebase(self) -> None:
+        """Move the origin to the oldest point kept, so x and the sums stay small however
+        long the domain lives (the degeneracy guard scales with x squared)."""
+        assert self.t0 is not None and self.points
+        shift = self.points[0][0]
+        self.t0 += shift
+        points = [(x - shift, y) for x, y in self.points]
+        self.points.clear()
+        self.n = 0
+        self.sx = self.sy = self.sxx = self.sxy = 0.0
+        for x, y in points:
+            self.add(x, y)
 
     def drop_before(self, x_min: float) -> None:
         while self.points and self.points[0][0] < x_min:
@@ -145,6 +159,8 @@ class PredictLinearBaseline:
             x = sample.ts - st.t0
             st.add(x, sample.used_frac)
             st.drop_before(x - self.window_s)
+            if st.points[0][0] > REBASE_AFTER_S:
+                st.rebase()
             tto = self._time_to_oom(st, sample)
             if self.gate_frac is not None and sample.used_frac < self.gate_frac:
                 tto = None

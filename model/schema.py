@@ -8,6 +8,7 @@ an error that names the field.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -181,6 +182,17 @@ def parse_event(obj: dict[str, Any]) -> Event:
         event=name,
         job=_optional_str(obj, "job"),
     )
+
+
+def decode_json(raw: str | bytes, field: str = "") -> Any:
+    """json.loads that turns every way text can fail to be JSON into a SchemaError: syntax,
+    bad UTF-8, numbers past Python's digit limit, nesting past the recursion limit."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise SchemaError(field, f"not valid JSON: {exc.msg} (column {exc.colno})") from None
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError too
+        raise SchemaError(field, f"not valid JSON: {type(exc).__name__}: {exc}"[:300]) from None
 
 
 def parse_record(obj: Any) -> Record:

@@ -14,7 +14,14 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from oomcast.model.schema import Event, Sample, SchemaError, parse_event, parse_sample
+from oomcast.model.schema import (
+    Event,
+    Sample,
+    SchemaError,
+    decode_json,
+    parse_event,
+    parse_sample,
+)
 
 ENTRY_VERSION = "1"
 
@@ -96,10 +103,7 @@ def _json_field(fields: dict[Any, Any], key: str) -> Any:
     raw = _text(fields, key)
     if raw is None:
         raise SchemaError(key, f"entry has no '{key}' field")
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise SchemaError(key, f"not valid JSON: {exc.msg}") from None
+    return decode_json(raw, key)
 
 
 @dataclass(slots=True)
@@ -109,13 +113,20 @@ class DecodedSample:
     emb_v: int | None
 
 
+def _finite_number(x: Any) -> bool:
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
 def _embedding(obj: dict[str, Any]) -> tuple[list[float] | None, int | None]:
     emb, emb_v = obj.get("emb"), obj.get("emb_v")
     if emb is None:
         return None, None
-    if not isinstance(emb, list) or not all(
-        isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in emb
-    ):
+    if not isinstance(emb, list) or not all(_finite_number(x) for x in emb):
         raise SchemaError("emb", "must be a list of finite numbers")
     if not isinstance(emb_v, int) or isinstance(emb_v, bool):
         raise SchemaError("emb_v", f"must be an integer schema version, got {emb_v!r}")

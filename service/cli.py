@@ -139,7 +139,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from oomcast.service.demo import run_demo
 
-    return run_demo(duration_s=args.duration, live=not args.plain, port=args.port, speed=args.speed)
+    return run_demo(
+        duration_s=args.duration,
+        live=not args.plain,
+        port=args.port,
+        speed=args.speed,
+        private_redis=args.private_redis,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--plain", action="store_true", help="print lines instead of a live table")
     d.add_argument("--port", type=int, default=0, help="service port (default: a free one)")
     d.add_argument("--speed", type=float, default=1.0, help="simulated jobs run this much faster")
+    d.add_argument(
+        "--private-redis",
+        action="store_true",
+        help="always start a private redis-server, even if one is configured or running",
+    )
     d.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("serve", help="run the service")

@@ -57,8 +57,8 @@ def _answers(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def redis_for_demo(say: Any) -> Iterator[str]:
-    url = os.environ.get("OOMCAST_REDIS_URL")
+def redis_for_demo(say: Any, private: bool = False) -> Iterator[str]:
+    url = None if private else os.environ.get("OOMCAST_REDIS_URL")
     if url:
         if not _answers(url):
             raise DemoError(f"OOMCAST_REDIS_URL={url} does not answer")
@@ -66,7 +66,7 @@ def redis_for_demo(say: Any) -> Iterator[str]:
         yield url
         return
     url = "redis://127.0.0.1:6379/0"
-    if _answers(url):
+    if not private and _answers(url):
         say(f"Redis: {url} (found running)")
         yield url
         return
@@ -94,6 +94,7 @@ def redis_for_demo(say: Any) -> Iterator[str]:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C is for the demo, which stops this server last
         )
         url = f"redis://127.0.0.1:{port}/0"
         try:
@@ -217,6 +218,7 @@ def collectors(url: str, speed: float) -> Iterator[list[subprocess.Popen[bytes]]
             ],
             env=env,
             stdout=subprocess.DEVNULL,
+            start_new_session=True,  # stopped by the demo with SIGTERM, not by the terminal
         )
         for node, patterns, seed in nodes
     ]
@@ -271,14 +273,18 @@ def _table(devices: list[dict[str, Any]], horizon: int) -> Any:
 
 
 def run_demo(
-    duration_s: float | None = None, live: bool = True, port: int = 0, speed: float = 1.0
+    duration_s: float | None = None,
+    live: bool = True,
+    port: int = 0,
+    speed: float = 1.0,
+    private_redis: bool = False,
 ) -> int:
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *a: stop.set())
     say = print
     secret = secrets.token_hex(16)
     try:
-        with redis_for_demo(say) as url, WebhookInbox(secret) as inbox:
+        with redis_for_demo(say, private_redis) as url, WebhookInbox(secret) as inbox:
             _delete_demo_keys(url)
             settings = Settings(
                 redis_url=url,
@@ -294,7 +300,10 @@ def run_demo(
                 say(f"webhooks: {inbox.url}, HMAC-signed; Ctrl-C stops the demo")
                 ooms = _watch(base, inbox, stop, duration_s, live)
             _report(inbox, ooms)
-            _delete_demo_keys(url)
+            try:
+                _delete_demo_keys(url)
+            except redis.RedisError as exc:
+                print(f"oomcast demo: could not remove the demo's keys: {exc}", file=sys.stderr)
     except DemoError as exc:
         print(f"oomcast demo: error: {exc}", file=sys.stderr)
         return 2

@@ -1,13 +1,20 @@
 """The stream consumer: read sample and event streams as a consumer group, forecast, ack.
 
-Order of work for each batch: decode, forecast, record alerts, dead-letter what is broken,
-then ``XACK``. An entry is acknowledged only after its samples have been forecast and its
-alerts recorded, so a crash loses nothing: on restart the service first re-reads its own
-pending entries (``XREADGROUP`` from id 0), and periodically claims entries that another,
-dead, consumer left pending for longer than ``claim_idle_ms`` (``XAUTOCLAIM``).
+Order of work for each batch: decode, forecast, queue webhooks, record alerts and dead
+letters, then ``XACK``. An entry is acknowledged only after its samples have been forecast
+and its alerts recorded, so a crash loses nothing: on restart the service first re-reads
+its own pending entries (``XREADGROUP`` from id 0), and periodically claims entries that
+another, dead, consumer left pending for longer than ``claim_idle_ms`` (``XAUTOCLAIM``).
+
+A replica owns a set of partitions (all by default); several replicas split the nodes by
+owning disjoint sets, so each domain's state lives on exactly one replica. Every replica
+reads the whole events stream through a consumer group of its own and keeps the events of
+the nodes it owns.
+
 A malformed entry goes to the dead-letter stream with the reason and is acknowledged;
 ingest carries on. Lost connections are retried with backoff; the loop never exits on its
-own.
+own. Alerts whose audit record could not be written are kept and written with the next
+batch, so a Redis blip does not leave the audit stream short of an alert already sent.
 """
 
 from __future__ import annotations
@@ -15,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -32,6 +40,8 @@ from oomcast.service.state import LiveState
 log = logging.getLogger(__name__)
 
 StreamEntries = list[tuple[bytes, dict[bytes, bytes] | None]]
+APPLY_CHUNK = 4096  # samples forecast between two yields to the event loop
+EXPIRE_EVERY_S = 5.0
 
 
 def _reraise_if_cancelled(exc: BaseException) -> None:
@@ -46,6 +56,10 @@ def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
 class Ingestor:
     def __init__(
         self,
@@ -56,11 +70,13 @@ class Ingestor:
         *,
         group: str,
         consumer: str,
+        partitions: Sequence[int] | None = None,
         read_count: int = 500,
         block_ms: int = 500,
         claim_idle_ms: int = 30_000,
         alerts_maxlen: int = 10_000,
         deadletter_maxlen: int = 10_000,
+        live_after_s: float = 600.0,
         on_alert: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.client = client
@@ -69,16 +85,28 @@ class Ingestor:
         self.metrics = metrics
         self.group = group
         self.consumer = consumer
+        self.partitions = sorted(set(range(keys.partitions) if partitions is None else partitions))
+        if not self.partitions or not all(0 <= p < keys.partitions for p in self.partitions):
+            raise ValueError(f"owned partitions {partitions} must lie in 0..{keys.partitions - 1}")
         self.read_count = read_count
         self.block_ms = block_ms
         self.claim_idle_ms = claim_idle_ms
         self.alerts_maxlen = alerts_maxlen
         self.deadletter_maxlen = deadletter_maxlen
+        self.live_after_s = live_after_s
         self.on_alert = on_alert or (lambda payload: None)
-        self.streams = [*keys.all_samples(), keys.events]
+        self.sample_streams = [keys.samples(p) for p in self.partitions]
+        # Events: one group per replica, so every replica sees the events of its own nodes.
+        self.events_group = f"{group}:{consumer}"
         self.ready = asyncio.Event()  # set once groups exist and our own backlog is drained
+        self.last_ok = 0.0  # monotonic time of the last Redis round trip that worked
+        self._audit_backlog: list[dict[str, Any]] = []
         self._last_claim = 0.0
+        self._last_expire = time.monotonic()
         self._stopping = False
+
+    def healthy(self, within_s: float = 10.0) -> bool:
+        return self.ready.is_set() and time.monotonic() - self.last_ok < within_s
 
     async def stop(self, task: asyncio.Task[None]) -> None:
         """Let the loop finish its current read and batch, then end it. Cancelling a task in
@@ -97,20 +125,11 @@ class Ingestor:
                 await self._ensure_groups()
                 await self._drain_own_pending()
                 self.metrics.redis_up.set(1)
+                self.last_ok = time.monotonic()
                 self.ready.set()
                 backoff = 0.2
                 while not self._stopping:
-                    if time.monotonic() - self._last_claim >= max(1.0, self.claim_idle_ms / 1000):
-                        await self._claim_stale()
-                    resp = await self.client.xreadgroup(
-                        self.group,
-                        self.consumer,
-                        dict.fromkeys(self.streams, ">"),
-                        count=self.read_count,
-                        block=self.block_ms,
-                    )
-                    for stream, entries in resp or []:
-                        await self.process(_s(stream), entries)
+                    await self._step()
             except asyncio.CancelledError:
                 raise
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
@@ -125,36 +144,69 @@ class Ingestor:
                 await asyncio.sleep(backoff)
                 backoff = min(5.0, backoff * 2)
 
+    async def _step(self) -> None:
+        now = time.monotonic()
+        if now - self._last_claim >= max(1.0, self.claim_idle_ms / 1000):
+            await self._claim_stale()
+        if now - self._last_expire >= EXPIRE_EVERY_S:
+            self._last_expire = now
+            await self._record(self.live.expire(time.time(), self.live_after_s), [], None, [])
+        resp = await self.client.xreadgroup(
+            self.group,
+            self.consumer,
+            dict.fromkeys(self.sample_streams, ">"),
+            count=self.read_count,
+            block=self.block_ms,
+        )
+        # Events after the samples read with them: an OOM should not overtake its samples.
+        events = await self.client.xreadgroup(
+            self.events_group, self.consumer, {self.keys.events: ">"}, count=self.read_count
+        )
+        self.last_ok = time.monotonic()
+        for stream, entries in [*(resp or []), *(events or [])]:
+            await self.process(_s(stream), entries)
+
     async def _ensure_groups(self) -> None:
         await self._warn_unread_partitions()
-        for stream in self.streams:
-            try:
-                await self.client.xgroup_create(stream, self.group, id="0", mkstream=True)
-            except ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+        for stream in self.sample_streams:
+            await self._create_group(stream, self.group, "0")
+        # A replica new to the events stream starts at its end: older events concern jobs
+        # it never saw.
+        await self._create_group(self.keys.events, self.events_group, "$")
+
+    async def _create_group(self, stream: str, group: str, start: str) -> None:
+        try:
+            await self.client.xgroup_create(stream, group, id=start, mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
 
     async def _warn_unread_partitions(self) -> None:
-        """Agents configured with more partitions than the service write streams nobody
+        """Agents configured with more partitions than the service write streams no replica
         reads; say so instead of losing those nodes silently."""
-        ours = set(self.streams)
+        pattern = re.compile(re.escape(self.keys.prefix) + r":samples:\{(\d+)\}$")
         async for key in self.client.scan_iter(match=f"{self.keys.prefix}:samples:*", count=1000):
-            name = _s(key)
-            if name not in ours:
+            m = pattern.match(_s(key))
+            if m is None or int(m.group(1)) >= self.keys.partitions:
                 log.error(
-                    "stream %s is not read by this service (OOMCAST_PARTITIONS=%d here);"
-                    " agents and service must agree on OOMCAST_PARTITIONS",
-                    name,
+                    "stream %s is read by no replica (OOMCAST_PARTITIONS=%d here); agents and"
+                    " service must agree on OOMCAST_PARTITIONS",
+                    _s(key),
                     self.keys.partitions,
                 )
 
+    def _groups(self) -> list[tuple[str, str]]:
+        return [(s, self.group) for s in self.sample_streams] + [
+            (self.keys.events, self.events_group)
+        ]
+
     async def _drain_own_pending(self) -> None:
         """Entries delivered to this consumer before a restart and never acknowledged."""
-        for stream in self.streams:
+        for stream, group in self._groups():
             last = "0"
             while True:
                 resp = await self.client.xreadgroup(
-                    self.group, self.consumer, {stream: last}, count=self.read_count
+                    group, self.consumer, {stream: last}, count=self.read_count
                 )
                 entries = resp[0][1] if resp else []
                 if not entries:
@@ -165,7 +217,7 @@ class Ingestor:
 
     async def _claim_stale(self) -> None:
         self._last_claim = time.monotonic()
-        for stream in self.streams:
+        for stream in self.sample_streams:
             start = "0-0"
             while True:
                 nxt, entries, *_ = await self.client.xautoclaim(
@@ -189,71 +241,101 @@ class Ingestor:
             return
         self.metrics.entries.labels(stream=stream).inc(len(entries))
         deadletters: list[dict[str, Any]] = []
-        ids = [entry_id for entry_id, _ in entries]
         fired: list[dict[str, Any]] = []
         if stream == self.keys.events:
+            group = self.events_group
             for entry_id, fields in entries:
                 if fields is None:
                     continue  # trimmed away before we read it
                 try:
                     event = decode_event(fields)
-                except SchemaError as exc:
-                    deadletters.append(self._deadletter(stream, entry_id, fields, str(exc)))
+                except Exception as exc:  # any undecodable entry, not only the foreseen ones
+                    deadletters.append(self._deadletter(stream, entry_id, fields, _reason(exc)))
                     continue
+                if self.keys.partition_of(event.node) not in self.partitions:
+                    continue  # another replica's node
                 self.metrics.events.labels(event=event.event).inc()
                 payload = self.live.on_event(event)
                 if payload is not None:
                     fired.append(payload)
         else:
-            samples: list[Sample] = []
-            arrived_ms: list[int] = []
-            for entry_id, fields in entries:
-                if fields is None:
-                    continue
-                try:
-                    decoded = decode_samples(fields)
-                except SchemaError as exc:
-                    deadletters.append(self._deadletter(stream, entry_id, fields, str(exc)))
-                    continue
-                ms = int(_s(entry_id).split("-")[0])
-                for item in decoded:
-                    if isinstance(item, DecodedSample):
-                        samples.append(item.sample)
-                        arrived_ms.append(ms)
-                    else:
-                        deadletters.append(self._deadletter(stream, entry_id, fields, str(item)))
-            applied = self.live.apply(samples)
+            group = self.group
+            samples, arrived_ms = self._decode_samples(stream, entries, deadletters)
+            for start in range(0, len(samples), APPLY_CHUNK):
+                applied = self.live.apply(samples[start : start + APPLY_CHUNK])
+                self.metrics.samples.inc(len(applied.forecasts))
+                self.metrics.duplicates.inc(applied.duplicates)
+                self.metrics.late.inc(applied.late)
+                for sample, problem in applied.rejected:
+                    deadletters.append(
+                        {
+                            "stream": stream,
+                            "reason": str(problem),
+                            "sample": _dumps(sample.to_dict()),
+                        }
+                    )
+                fired.extend(applied.alerts)
+                if start + APPLY_CHUNK < len(samples):
+                    await asyncio.sleep(0)  # let HTTP requests in between big chunks
             done_ms = time.time() * 1000
             for ms in arrived_ms:
                 self.metrics.forecast_latency.observe(max(0.0, done_ms - ms) / 1000)
-            self.metrics.samples.inc(len(applied.forecasts))
-            self.metrics.duplicates.inc(applied.duplicates)
-            for sample, problem in applied.rejected:
-                deadletters.append(
-                    {
-                        "stream": stream,
-                        "reason": str(problem),
-                        "sample": json.dumps(sample.to_dict(), separators=(",", ":")),
-                    }
-                )
-            fired.extend(applied.alerts)
+        await self._record(fired, deadletters, stream, [entry_id for entry_id, _ in entries], group)
+
+    def _decode_samples(
+        self, stream: str, entries: StreamEntries, deadletters: list[dict[str, Any]]
+    ) -> tuple[list[Sample], list[int]]:
+        samples: list[Sample] = []
+        arrived_ms: list[int] = []
+        for entry_id, fields in entries:
+            if fields is None:
+                continue
+            try:
+                decoded = decode_samples(fields)
+            except Exception as exc:  # any undecodable entry, not only the foreseen ones
+                deadletters.append(self._deadletter(stream, entry_id, fields, _reason(exc)))
+                continue
+            ms = int(_s(entry_id).split("-")[0])
+            for item in decoded:
+                if isinstance(item, DecodedSample):
+                    samples.append(item.sample)
+                    arrived_ms.append(ms)
+                else:
+                    deadletters.append(self._deadletter(stream, entry_id, fields, str(item)))
+        return samples, arrived_ms
+
+    async def _record(
+        self,
+        fired: list[dict[str, Any]],
+        deadletters: list[dict[str, Any]],
+        stream: str | None,
+        ids: list[bytes],
+        group: str | None = None,
+    ) -> None:
+        """Send webhooks, then write audit records and dead letters and ack in one round trip."""
         # Webhooks first: they do not depend on Redis, and an alert must not wait on it.
         for payload in fired:
             self.metrics.alerts.labels(status=payload["status"]).inc()
             self.on_alert(payload)
-        pipe = self.client.pipeline(transaction=False)
-        for payload in fired:
-            pipe.xadd(
-                self.keys.alerts,
-                {"alert": json.dumps(payload, separators=(",", ":"))},
-                maxlen=self.alerts_maxlen,
-                approximate=True,
-            )
-        for dl in deadletters:
-            pipe.xadd(self.keys.deadletter, dl, maxlen=self.deadletter_maxlen, approximate=True)
-        pipe.xack(stream, self.group, *ids)
-        await pipe.execute()
-        self.metrics.deadletters.inc(len(deadletters))
+        self._audit_backlog.extend(fired)
+        if self._audit_backlog or deadletters:
+            # Records first, in their own round trip: a pipeline runs every command even when
+            # one fails, and the ack must not go through unless the records did.
+            pipe = self.client.pipeline(transaction=False)
+            for payload in self._audit_backlog:
+                pipe.xadd(
+                    self.keys.alerts,
+                    {"alert": _dumps(payload)},
+                    maxlen=self.alerts_maxlen,
+                    approximate=True,
+                )
+            for dl in deadletters:
+                pipe.xadd(self.keys.deadletter, dl, maxlen=self.deadletter_maxlen, approximate=True)
+            await pipe.execute()
+            self._audit_backlog.clear()
+            self.metrics.deadletters.inc(len(deadletters))
+        if stream is not None and ids:
+            await self.client.xack(stream, group or self.group, *ids)
 
     def _deadletter(
         self, stream: str, entry_id: bytes | str, fields: dict[Any, Any], reason: str
@@ -265,3 +347,9 @@ class Ingestor:
             if key not in out:
                 out[f"orig.{key}"] = v
         return out
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, SchemaError):
+        return str(exc)
+    return f"undecodable entry ({type(exc).__name__}: {exc})"[:500]

@@ -65,6 +65,8 @@ def build_context(settings: Settings) -> ServiceContext:
         metrics,
         group=settings.consumer_group,
         consumer=settings.consumer_name,
+        partitions=settings.owned_partitions(),
+        live_after_s=settings.live_after_s,
         read_count=settings.read_count,
         claim_idle_ms=settings.claim_idle_ms,
         alerts_maxlen=settings.alerts_maxlen,

@@ -21,6 +21,11 @@ class Metrics:
         self.duplicates = Counter(
             "oomcast_duplicate_samples_total", "Samples delivered twice and skipped", registry=r
         )
+        self.late = Counter(
+            "oomcast_late_samples_total",
+            "Samples of a job read after its OOM event, skipped",
+            registry=r,
+        )
         self.claimed = Counter(
             "oomcast_claimed_entries_total",
             "Pending entries re-claimed after a restart or from a dead consumer",

@@ -18,16 +18,39 @@ def _default_consumer() -> str:
     return os.environ.get("HOSTNAME") or socket.gethostname()
 
 
+def parse_partition_set(text: str, partitions: int) -> list[int]:
+    """ "0-3,6" -> [0, 1, 2, 3, 6], each within 0..partitions-1."""
+    owned: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(
+                f"OOMCAST_PARTITIONS_OWNED={text!r}: {part.strip()!r} is not a number or range"
+            ) from None
+        if not 0 <= first <= last < partitions:
+            raise ValueError(
+                f"OOMCAST_PARTITIONS_OWNED={text!r}: {part.strip()!r} is outside"
+                f" 0..{partitions - 1} (OOMCAST_PARTITIONS={partitions})"
+            )
+        owned.update(range(first, last + 1))
+    return sorted(owned)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="OOMCAST_", extra="ignore")
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "oomcast"
     partitions: int = Field(4, ge=1, le=1024)
+    # Which partitions this replica reads, e.g. "0-1" or "0,2"; empty means all. Replicas
+    # that split the work own disjoint sets covering 0..partitions-1.
+    partitions_owned: str = ""
     consumer_group: str = "oomcast-service"
     consumer_name: str = Field(default_factory=_default_consumer)
     claim_idle_ms: int = Field(
-        30_000, ge=0, description="reclaim other consumers' entries idle this long"
+        30_000, ge=100, description="reclaim other consumers' entries idle this long"
     )
     read_count: int = Field(500, ge=1)
     stream_maxlen: int = Field(100_000, ge=1000)
@@ -74,6 +97,11 @@ class Settings(BaseSettings):
             raise ValueError(f"OOMCAST_WEBHOOK_URL must be an http(s) URL: {v!r}")
         return v
 
+    def owned_partitions(self) -> list[int]:
+        if not self.partitions_owned.strip():
+            return list(range(self.partitions))
+        return parse_partition_set(self.partitions_owned, self.partitions)
+
     @field_validator("alert_horizon_s")
     @classmethod
     def _horizon(cls, v: int) -> int:
@@ -88,6 +116,7 @@ class Settings(BaseSettings):
                 "OOMCAST_WEBHOOK_URL is set but OOMCAST_WEBHOOK_SECRET is not: receivers could"
                 " not tell our alerts from forged ones; set a secret"
             )
+        self.owned_partitions()  # refuses a bad OOMCAST_PARTITIONS_OWNED at start-up
         if self.alert_resolve_risk >= self.alert_fire_risk:
             raise ValueError(
                 f"OOMCAST_ALERT_RESOLVE_RISK ({self.alert_resolve_risk}) must be below"

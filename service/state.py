@@ -85,6 +85,7 @@ class Applied:
     rejected: list[tuple[Sample, SchemaError]]
     duplicates: int
     alerts: list[dict[str, Any]]
+    late: int = 0
 
 
 class LiveState:
@@ -122,6 +123,9 @@ class LiveState:
         batch: list[tuple[DomainState, Sample]] = []
         for sample in samples:
             st = self._state(sample.domain)
+            if st.last_oom_ts is not None and sample.ts <= st.last_oom_ts:
+                result.late += 1  # from the job that already OOMed, read after its OOM event
+                continue
             if st.last is not None and sample.ts <= st.last.ts:
                 if _seen_before(st, sample):
                     result.duplicates += 1  # at-least-once delivery sends some entries twice
@@ -162,13 +166,14 @@ class LiveState:
                 result.alerts.append(payload)
             result.forecasts.append((st, fc))
 
-    def on_event(self, event: Event) -> dict[str, Any] | None:
+    def on_event(self, event: Event, now_wall: float | None = None) -> dict[str, Any] | None:
         """Record an event; an OOM ends the domain's episode and restarts its forecaster."""
         if event.event != "oom":
             return None
         st = self._state(event.domain)
+        st.last_seen_wall = time.time() if now_wall is None else now_wall
         st.ooms_seen += 1
-        st.last_oom_ts = event.ts
+        st.last_oom_ts = max(event.ts, st.last_oom_ts or event.ts)
         payload = None
         if st.alert.firing and st.last is not None and st.forecast is not None:
             payload = alerts.alert_payload(
@@ -185,15 +190,30 @@ class LiveState:
         st.forecaster_state = self.forecaster.init_state()
         return payload
 
-    def live(self, now_wall: float, live_after_s: float) -> list[DomainState]:
-        """Domains with a forecast and a sample within ``live_after_s``; forgets the rest."""
-        for domain in [
-            d
-            for d, st in self.domains.items()
-            if now_wall - st.last_seen_wall > live_after_s and st.last is not None
-        ]:
+    def expire(self, now_wall: float, live_after_s: float) -> list[dict[str, Any]]:
+        """Forget domains silent for ``live_after_s``; a firing episode ends with a resolved
+        alert that says why, rather than just vanishing."""
+        out = []
+        for domain, st in list(self.domains.items()):
+            if now_wall - st.last_seen_wall <= live_after_s:
+                continue
+            if st.alert.firing and st.last is not None and st.forecast is not None:
+                reason = f"no samples for {now_wall - st.last_seen_wall:.0f}s"
+                out.append(
+                    alerts.alert_payload(
+                        "resolved", st.last, st.forecast, st.alert, self.policy, reason, job=st.job
+                    )
+                )
             del self.domains[domain]
-        return [st for st in self.domains.values() if st.forecast is not None]
+        return out
+
+    def live(self, now_wall: float, live_after_s: float) -> list[DomainState]:
+        """Domains with a forecast and a sample within ``live_after_s``."""
+        return [
+            st
+            for st in self.domains.values()
+            if st.forecast is not None and now_wall - st.last_seen_wall <= live_after_s
+        ]
 
     def ranked(self, now_wall: float, live_after_s: float) -> list[DomainState]:
         horizon = self.policy.rule.horizon_s

@@ -55,6 +55,9 @@ class WebhookSender:
         self._worker: asyncio.Task[None] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(32)
+        # The newest delivery per domain: the next one for that domain waits for it, so a
+        # receiver never sees a retried "firing" land after its "resolved".
+        self._last_of_domain: dict[tuple[Any, Any], asyncio.Task[None]] = {}
 
     def submit(self, payload: dict[str, Any]) -> bool:
         try:
@@ -92,16 +95,25 @@ class WebhookSender:
         while True:
             payload = await self._queue.get()
             await self._slots.acquire()
-            task = asyncio.create_task(self._deliver(payload))
+            domain = (payload.get("node"), payload.get("device"))
+            before = self._last_of_domain.get(domain)
+            task = asyncio.create_task(self._deliver(payload, after=before))
+            self._last_of_domain[domain] = task
             self._inflight.add(task)
-            task.add_done_callback(self._done)
+            task.add_done_callback(lambda t, d=domain: self._done(t, d))
 
-    def _done(self, task: asyncio.Task[None]) -> None:
+    def _done(self, task: asyncio.Task[None], domain: tuple[Any, Any]) -> None:
         self._inflight.discard(task)
         self._slots.release()
+        if self._last_of_domain.get(domain) is task:
+            del self._last_of_domain[domain]
 
-    async def _deliver(self, payload: dict[str, Any]) -> None:
+    async def _deliver(
+        self, payload: dict[str, Any], after: asyncio.Task[None] | None = None
+    ) -> None:
         assert self._client is not None
+        if after is not None:
+            await asyncio.wait([after])
         body = json.dumps(payload, separators=(",", ":")).encode()
         headers = {
             "Content-Type": "application/json",

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import redis
 from support import leak_trace, sample, write
@@ -73,3 +74,26 @@ def test_run_replays_a_trace_to_the_end(
     total = sum(len(decode_samples(f)) for _, f in rclient.xrange(keys.samples(0)))
     assert total == 20
     assert rclient.xlen(keys.events) == 1
+
+
+def test_agent_buffers_through_an_outage_and_flushes(private_redis: Any) -> None:
+    client = redis.Redis.from_url(private_redis.url, socket_connect_timeout=0.2, socket_timeout=1)
+    keys = Keys("agent-outage", 1)
+    now = [0.0]
+    ticks: list[list[Record]] = [[sample(float(t + 1), 0.5)] for t in range(6)]
+    publisher = StreamPublisher(client, clock=lambda: now[0])
+    agent = NodeAgent([ListSource(ticks)], publisher, keys)
+    agent.tick()
+    private_redis.stop()
+    for _ in range(3):
+        now[0] += 10.0
+        agent.tick()  # keeps running: no exception, samples kept
+    assert publisher.buffered_samples == 3
+    private_redis.start()
+    now[0] += 10.0
+    agent.tick()
+    agent.tick()
+    assert publisher.buffered_samples == 0
+    got = [s.sample.ts for _, f in client.xrange(keys.samples(0)) for s in decode_samples(f)]
+    # The first tick's entry was written to the server before it stopped (and went with it).
+    assert got == [2.0, 3.0, 4.0, 5.0, 6.0]

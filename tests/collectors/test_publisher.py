@@ -61,3 +61,18 @@ def test_backoff_skips_attempts_until_due(private_redis: Any) -> None:
     pub.publish([entry(2)])  # within the backoff: no new attempt
     assert pub.stats.publish_errors == errors
     assert pub.buffered_samples == 2
+
+
+def test_redis_refusing_writes_is_ridden_out(private_redis: Any) -> None:
+    client = redis.Redis.from_url(private_redis.url)
+    now = [0.0]
+    pub = StreamPublisher(client, clock=lambda: now[0])
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", 1)  # every write is refused with an OOM error
+    assert not pub.publish([entry(1)])
+    assert pub.stats.publish_errors == 1
+    assert pub.buffered_samples == 1
+    client.config_set("maxmemory", 0)
+    now[0] += 10.0
+    assert pub.publish([entry(2)])
+    assert [int(f[b"i"]) for _, f in client.xrange("s")] == [1, 2]

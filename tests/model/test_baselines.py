@@ -325,3 +325,15 @@ def test_baseline_by_name_unknown_lists_the_names() -> None:
     assert "threshold_0.99" in msg
     for det in baseline_detectors():
         assert det.name in msg
+
+
+def test_predict_linear_still_projects_on_a_domain_alive_for_a_year() -> None:
+    fc = PredictLinearBaseline(60, 60)
+    state = fc.init_state()
+    year = 365 * 86400
+    for t in range(0, year, 600):  # a year of flat use, then a leak
+        fc.step([state], [smp(t, int(0.3 * TOTAL))])
+    leak = [smp(year + i, int((0.5 + 0.005 * i) * TOTAL)) for i in range(60)]
+    last = [fc.step([state], [s])[0] for s in leak][-1]
+    # Use is 0.795 and rising 0.005/s: capacity in 41 s.
+    assert last.time_to_oom_s == pytest.approx(41.0, abs=0.1)

@@ -252,3 +252,22 @@ def test_find_traces_of_a_missing_folder_raises(tmp_path: Path) -> None:
     file.write_text("")
     with pytest.raises(FileNotFoundError):
         find_traces(file)
+
+
+def test_bad_utf8_is_blamed_on_its_own_line(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    good = [raw(1.0), raw(2.0)]
+    path.write_bytes((good[0] + "\n").encode() + b'{"node": "\xff"}\n' + (good[1] + "\n").encode())
+    with pytest.raises(TraceError) as err:
+        list(iter_trace(path))
+    assert err.value.line == 2
+    assert f"{path}:2:" in str(err.value)
+
+
+def test_json_past_python_limits_is_a_trace_error(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "t.jsonl", [raw(1.0), "[" * 100_000 + "]" * 100_000])
+    with pytest.raises(TraceError, match=r":2: not valid JSON: RecursionError"):
+        list(iter_trace(path))
+    path = write_lines(tmp_path / "u.jsonl", ['{"ts": ' + "1" * 5000 + "}"])
+    with pytest.raises(TraceError, match=r":1: not valid JSON"):
+        list(iter_trace(path))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,8 @@ def test_demo_runs_and_cleans_up(redis_url: str, rclient: redis.Redis) -> None:
     assert "service: http://127.0.0.1:" in done.stdout
     assert "demo-node-a/gpu" in done.stdout  # the service's view, read over its REST API
     assert "demo over:" in done.stdout
-    assert "with a bad signature" in done.stdout
+    assert "demo-node-b/gpu" in done.stdout  # both nodes' partitions are read
+    assert ", 0 with a bad signature" in done.stdout
     assert list(rclient.scan_iter(match=f"{demo.PREFIX}:*")) == []
     assert "Traceback" not in done.stderr
 
@@ -43,3 +46,30 @@ def test_demo_starts_a_private_redis_when_none_answers(
         assert redis.Redis.from_url(url).ping()
     assert "private redis-server" in said[0]
     assert not real(url)  # stopped on the way out
+
+
+def test_ctrl_c_stops_everything_it_started(tmp_path: Path) -> None:
+    # Like a terminal: SIGINT to the whole foreground process group.
+    proc = subprocess.Popen(
+        oomcast_cmd("demo", "--plain", "--private-redis"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    assert "started a private redis-server at" in first
+    url = first.split(" at ")[1].split()[0]
+    assert redis.Redis.from_url(url).ping()
+    for line in proc.stdout:
+        if line.startswith("webhooks:"):
+            break
+    time.sleep(3)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "demo over:" in out
+    assert "Traceback" not in err
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()

@@ -76,22 +76,41 @@ def test_malformed_entries_are_dead_lettered_and_ingest_goes_on(
     bad_and_good = [payload("n1", "gpu0", T0), {**payload("n1", "gpu1", T0), "total_bytes": -1}]
     add(rclient, keys, "n1", bad_and_good)
     add(rclient, keys, "n1", [payload("n1", "gpu0", T0 + 1)])
-    rclient.xadd(keys.events, {"event": "[1,2]"})
     with TestClient(create_app(app_settings(redis_url, key_prefix))) as c:
-        assert wait_until(lambda: seen(c, "n1", "gpu0") == 2)
+        # The events group of a new replica starts at the stream's end: send once it is up.
+        assert wait_until(lambda: c.get("/readyz").status_code == 200)
+        rclient.xadd(keys.events, {"event": "[1,2]"})
+        rclient.xadd(
+            keys.events,
+            {
+                "event": '{"ts": 1, "node": "n1", "device": "gpu0",'
+                ' "event": "oom", "pad": ' + "[" * 100_000 + "]" * 100_000 + "}"
+            },
+        )
+        huge = json.dumps([payload("n1", "gpu2", T0)]).replace(
+            '"used_bytes": ', '"used_bytes": ' + "9" * 5000 + "0 + ", 1
+        )
+        rclient.xadd(stream, {"v": "1", "node": "n1", "samples": huge})
+        emb = [{**payload("n1", "gpu3", T0), "emb": [int("1" + "0" * 400)], "emb_v": 1}]
+        rclient.xadd(stream, {"v": "1", "node": "n1", "samples": json.dumps(emb)})
+        add(rclient, keys, "n1", [payload("n1", "gpu0", T0 + 2)])
+        assert wait_until(lambda: seen(c, "n1", "gpu0") == 3)
         assert wait_until(lambda: pending(rclient, keys) == 0)
         dead = rclient.xrange(keys.deadletter)
         reasons = [f[b"reason"].decode() for _, f in dead]
-        assert len(reasons) == 5
+        assert len(reasons) == 8
         assert any("no 'samples' field" in r for r in reasons)
         assert any("not valid JSON" in r for r in reasons)
         assert any("UTF-8" in r for r in reasons)
         assert any("samples[1].total_bytes" in r for r in reasons)
         assert any(r.startswith("event") for r in reasons)
+        assert any("RecursionError" in r for r in reasons)  # nesting deeper than Python's stack
+        assert any("digits" in r or "JSON" in r for r in reasons if "gpu2" not in r)
+        assert any(r.startswith("samples[0].emb") for r in reasons)
         # The dead letter keeps what arrived, so nothing accepted is lost.
         assert any(f.get(b"orig.samples") == b"{not json" for _, f in dead)
         assert seen(c, "n1", "gpu1") == 0
-        assert "oomcast_deadletters_total 5.0" in c.get("/metrics").text
+        assert "oomcast_deadletters_total 8.0" in c.get("/metrics").text
 
 
 def test_restart_processes_entries_it_had_read_but_not_acked(
@@ -198,3 +217,67 @@ def test_sigkill_loses_no_pending_sample(
     metrics = httpx.get(f"{base}/metrics").text
     assert "oomcast_claimed_entries_total 1.0" in metrics
     assert json.loads(httpx.get(f"{base}/readyz").text)["status"] == "ready"
+
+
+def test_two_replicas_split_the_nodes_by_partition(
+    redis_url: str, key_prefix: str, rclient: redis.Redis
+) -> None:
+    keys = Keys(key_prefix, 2)
+    nodes = [f"node-{i}" for i in range(8)]
+    owners = {n: keys.partition_of(n) for n in nodes}
+    assert set(owners.values()) == {0, 1}
+    apps = [
+        create_app(
+            app_settings(
+                redis_url, key_prefix, partitions_owned=str(p), consumer_name=f"replica-{p}"
+            )
+        )
+        for p in (0, 1)
+    ]
+    with TestClient(apps[0]) as c0, TestClient(apps[1]) as c1:
+        clients = [c0, c1]
+        assert wait_until(lambda: all(c.get("/readyz").status_code == 200 for c in clients))
+        for n in nodes:
+            add(rclient, keys, n, [payload(n, "gpu0", T0)])
+            rclient.xadd(
+                keys.events,
+                {"event": json.dumps({"ts": T0 + 1, "node": n, "device": "gpu0", "event": "oom"})},
+            )
+        for p, c in enumerate(clients):
+            mine = sorted(n for n in nodes if owners[n] == p)
+
+            def listed(c: TestClient = c, mine: list[str] = mine) -> bool:
+                return sorted(d["node"] for d in c.get("/v1/devices").json()["devices"]) == mine
+
+            assert wait_until(listed)
+            assert wait_until(
+                lambda c=c, mine=mine: all(
+                    c.get(f"/v1/devices/{n}/gpu0").json()["ooms_seen"] == 1 for n in mine
+                )
+            )
+            assert c.get("/readyz").json()["partitions"] == [p]
+    assert pending(rclient, keys) == 0
+
+
+def test_alert_survives_a_failed_audit_write(
+    redis_url: str, key_prefix: str, rclient: redis.Redis, webhook_receiver: Any
+) -> None:
+    keys = Keys(key_prefix, 2)
+    rclient.set(keys.alerts, "not a stream")  # every XADD to the audit stream now fails
+    s = app_settings(
+        redis_url,
+        key_prefix,
+        webhook_url=webhook_receiver.url,
+        webhook_secret="k",
+        forecaster="threshold_0.90",
+        alert_fire_after=1,
+    )
+    with TestClient(create_app(s)) as c:
+        add(rclient, keys, "n1", [payload("n1", "gpu0", T0, 0.95)])
+        assert webhook_receiver.wait_for(lambda r: r["json"]["status"] == "firing")
+        assert pending(rclient, keys) == 1  # not acked while its alert is unrecorded
+        rclient.delete(keys.alerts)
+        assert wait_until(lambda: c.get("/v1/alerts").json()["count"] == 1, 20)
+        assert wait_until(lambda: pending(rclient, keys) == 0)
+        assert c.get("/v1/alerts").json()["alerts"][0]["status"] == "firing"
+    assert len(webhook_receiver.requests) == 1  # the retry did not page anyone twice

@@ -78,3 +78,21 @@ def test_signature_helpers_agree() -> None:
     assert not verify_signature(body + b" ", sig, SECRET)
     assert not verify_signature(body, sig, "other")
     assert not verify_signature(body, None, SECRET)
+
+
+def test_a_domains_alerts_arrive_in_order_despite_retries(webhook_receiver) -> None:  # type: ignore[no-untyped-def]
+    webhook_receiver.statuses = [503, 503]  # the firing alert needs two retries
+    alerts = [
+        {"status": "firing", "node": "n", "device": "gpu0"},
+        {"status": "resolved", "node": "n", "device": "gpu0"},
+        {"status": "firing", "node": "n", "device": "gpu1"},
+    ]
+    results = asyncio.run(_send(webhook_receiver, alerts))
+    assert results.count("delivered") == 3
+    delivered = [
+        (r["json"]["device"], r["json"]["status"])
+        for r in webhook_receiver.requests
+        if r["status"] == 200
+    ]
+    gpu0 = [s for d, s in delivered if d == "gpu0"]
+    assert gpu0 == ["firing", "resolved"]

@@ -27,17 +27,22 @@ async def readyz(ctx: Ctx, response: Response) -> dict[str, object]:
     except Exception as exc:  # any failure to answer means not ready
         problem = f"Redis: {type(exc).__name__}: {exc}"
     ctx.metrics.redis_up.set(1 if redis_ok else 0)
-    ingest_ok = ctx.ingestor.ready.is_set()
+    ingest_ok = ctx.ingestor.healthy()
     ready = redis_ok and ingest_ok
     if not ready:
         response.status_code = 503
         if problem is None:
-            problem = "ingest is still draining its pending entries"
+            problem = (
+                "ingest has not talked to Redis for 10 s"
+                if ctx.ingestor.ready.is_set()
+                else "ingest is still draining its pending entries"
+            )
     return {
         "status": "ready" if ready else "not ready",
         "redis": redis_ok,
         "ingest": ingest_ok,
         "model_version": ctx.detector.forecaster.version,
+        "partitions": ctx.ingestor.partitions,
         "problem": problem,
     }
 

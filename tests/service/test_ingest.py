@@ -239,10 +239,6 @@ def test_two_replicas_split_the_nodes_by_partition(
         assert wait_until(lambda: all(c.get("/readyz").status_code == 200 for c in clients))
         for n in nodes:
             add(rclient, keys, n, [payload(n, "gpu0", T0)])
-            rclient.xadd(
-                keys.events,
-                {"event": json.dumps({"ts": T0 + 1, "node": n, "device": "gpu0", "event": "oom"})},
-            )
         for p, c in enumerate(clients):
             mine = sorted(n for n in nodes if owners[n] == p)
 
@@ -250,12 +246,19 @@ def test_two_replicas_split_the_nodes_by_partition(
                 return sorted(d["node"] for d in c.get("/v1/devices").json()["devices"]) == mine
 
             assert wait_until(listed)
-            assert wait_until(
-                lambda c=c, mine=mine: all(
-                    c.get(f"/v1/devices/{n}/gpu0").json()["ooms_seen"] == 1 for n in mine
-                )
-            )
             assert c.get("/readyz").json()["partitions"] == [p]
+        # Events only once the samples are in: an OOM read first would (rightly) make its
+        # domain's earlier samples count as late.
+        for n in nodes:
+            event = {"ts": T0 + 1, "node": n, "device": "gpu0", "event": "oom"}
+            rclient.xadd(keys.events, {"event": json.dumps(event)})
+        for p, c in enumerate(clients):
+            mine = sorted(n for n in nodes if owners[n] == p)
+
+            def oomed(c: TestClient = c, mine: list[str] = mine) -> bool:
+                return all(c.get(f"/v1/devices/{n}/gpu0").json()["ooms_seen"] == 1 for n in mine)
+
+            assert wait_until(oomed)
     assert pending(rclient, keys) == 0
 
 

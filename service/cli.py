@@ -115,11 +115,25 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if not args.out and not args.figures:
+        raise UsageError("give --out DIR (traces) or --figures DIR (PNGs)")
     from oomcast.training.simulate import simulate
 
-    manifest = simulate(args.out, n=args.n, seed=args.seed, duration_s=args.duration)
+    if args.figures:
+        from oomcast.training.figures import plot_families
+
+        for path in plot_families(args.figures, args.cache):
+            print(f"wrote {path}")
+        return 0
+    manifest = simulate(
+        args.out, n=args.n, seed=args.seed, workers=args.workers, cache_dir=args.cache
+    )
     ooms = sum(1 for t in manifest["traces"] if t["ooms"])
-    print(f"wrote {manifest['n']} traces ({ooms} end in OOM) and manifest.json to {args.out}")
+    splits = ", ".join(f"{k} {v}" for k, v in manifest["splits"].items())
+    print(
+        f"wrote {manifest['n']} traces ({ooms} end in OOM; {splits}) and manifest.json to"
+        f" {args.out} in {manifest['seconds']}s"
+    )
     return 0
 
 
@@ -196,11 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--redis-url", default=None, help="default: $OOMCAST_REDIS_URL")
     c.set_defaults(func=cmd_collect)
 
-    m = sub.add_parser("simulate", help="write labelled traces")
-    m.add_argument("--out", required=True)
-    m.add_argument("--n", type=int, default=50)
+    m = sub.add_parser("simulate", help="write labelled traces (train/val/test split)")
+    m.add_argument("--out", help="folder for the traces and manifest.json")
+    m.add_argument("--n", type=int, default=200)
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--duration", type=float, default=900.0, help="seconds per trace at most")
+    m.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    m.add_argument("--cache", default="data/captures", help="where captured allocation logs go")
+    m.add_argument("--figures", help="instead: write one PNG per scenario family here")
     m.set_defaults(func=cmd_simulate)
 
     e = sub.add_parser("evaluate", help="score the forecasters on a folder of traces")

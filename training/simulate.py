@@ -1,62 +1,103 @@
-"""Write a folder of labelled traces (``oomcast simulate``) with a manifest.
+"""Write a folder of labelled traces (``oomcast simulate``), split for training.
 
-For now the traces come from the demo patterns of ``collectors.sources.sim``; the
-realistic caching-allocator simulator will add its scenarios here.
+Traces come from ``training/scenarios.py``: real allocation logs replayed through the
+caching-allocator simulator. Half the traces are drawn from OOM families, half from
+families that only look dangerous. The split is by scenario parameters: a (model, GPU
+size) combination lands wholly in train, val or test, so the test set holds combinations
+no model trained on. Output::
+
+    DIR/manifest.json
+    DIR/{train,val,test}/NNNNN-<family>.jsonl.gz
 """
 
 from __future__ import annotations
 
 import json
-import random
+import multiprocessing as mp
+import os
+import time
+import zlib
 from pathlib import Path
 from typing import Any
 
-from oomcast.collectors.sources.sim import GIB, PATTERNS, simulate_trace
-from oomcast.model.schema import Event
 from oomcast.model.trace import write_trace
+from oomcast.training.capture import CAPTURES, cached_capture
+from oomcast.training.scenarios import (
+    FAMILIES,
+    OOM_FAMILIES,
+    SAFE_FAMILIES,
+    draw_params,
+    simulate_scenario,
+)
 
-GPU_SIZES_GIB = (16, 24, 40, 80, 141)
-INTERVALS_S = (0.5, 1.0, 2.0)
+SPLITS = ("train", "val", "test")
+DEFAULT_CACHE = Path("data/captures")
+
+
+def split_of(capture: str, gpu_gib: int) -> str:
+    """Held-out by (model, GPU size): about 15% of combinations test, 15% val."""
+    h = zlib.crc32(f"{capture}:{gpu_gib}".encode()) % 100
+    return "test" if h < 15 else "val" if h < 30 else "train"
+
+
+def family_for(i: int) -> str:
+    pool = OOM_FAMILIES if i % 2 == 0 else SAFE_FAMILIES
+    return pool[(i // 2) % len(pool)]
+
+
+def _one(job: tuple[int, int, str, str]) -> dict[str, Any]:
+    i, seed, out, cache = job
+    family = family_for(i)
+    params = draw_params(family, seed * 1_000_003 + i)
+    split = split_of(params.capture, params.gpu_gib)
+    records, summary = simulate_scenario(
+        params,
+        Path(cache),
+        start_ts=1_700_000_000.0 + i * 100_000.0,
+        node=f"sim-{i:05d}",
+        device=f"gpu{i % 8}",
+    )
+    name = f"{split}/{i:05d}-{family}.jsonl.gz"
+    write_trace(Path(out) / name, records)
+    oom = [r.ts for r in records if getattr(r, "event", None) == "oom"]
+    return {
+        "file": name,
+        "split": split,
+        **params.to_dict(),
+        **summary,
+        "oom_ts": oom[0] if oom else None,
+    }
 
 
 def simulate(
-    out: Path | str, n: int = 50, seed: int = 0, duration_s: float = 900.0
+    out: Path | str,
+    n: int = 200,
+    seed: int = 0,
+    workers: int | None = None,
+    cache_dir: Path | str = DEFAULT_CACHE,
 ) -> dict[str, Any]:
     if n < 1:
         raise ValueError(f"n={n} must be at least 1")
-    out = Path(out)
+    out, cache = Path(out), Path(cache_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
-    entries = []
-    for i in range(n):
-        pattern = PATTERNS[i % len(PATTERNS)]
-        params = {
-            "pattern": pattern,
-            "seed": rng.randrange(1 << 30),
-            "total_bytes": rng.choice(GPU_SIZES_GIB) * GIB,
-            "interval_s": rng.choice(INTERVALS_S),
-        }
-        records = simulate_trace(
-            pattern,
-            seed=params["seed"],
-            duration_s=duration_s,
-            interval_s=params["interval_s"],
-            total_bytes=params["total_bytes"],
-            start_ts=1_700_000_000.0 + i * 10_000,
-            node=f"sim-{i:04d}",
-        )
-        name = f"{i:04d}-{pattern}.jsonl.gz"
-        write_trace(out / name, records)
-        ooms = [r.ts for r in records if isinstance(r, Event) and r.event == "oom"]
-        entries.append(
-            {
-                "file": name,
-                **params,
-                "ooms": bool(ooms),
-                "oom_ts": ooms[0] if ooms else None,
-                "samples": sum(1 for r in records if not isinstance(r, Event)),
-            }
-        )
-    manifest = {"generator": "sim-patterns", "seed": seed, "n": n, "traces": entries}
+    started = time.monotonic()
+    for name in CAPTURES:  # run the captures once, before workers read them
+        cached_capture(name, cache)
+    jobs = [(i, seed, str(out), str(cache)) for i in range(n)]
+    workers = workers or min(len(jobs), os.cpu_count() or 1)
+    if workers > 1:
+        with mp.get_context("fork").Pool(workers) as pool:
+            entries = pool.map(_one, jobs, chunksize=max(1, n // (workers * 8)))
+    else:
+        entries = [_one(job) for job in jobs]
+    manifest = {
+        "generator": "scenarios",
+        "seed": seed,
+        "n": n,
+        "families": list(FAMILIES),
+        "splits": {s: sum(1 for e in entries if e["split"] == s) for s in SPLITS},
+        "seconds": round(time.monotonic() - started, 1),
+        "traces": entries,
+    }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest

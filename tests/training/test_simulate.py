@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from oomcast.model.trace import find_traces, load_trace
+from oomcast.training.simulate import SPLITS, simulate, split_of
+
+
+def test_simulate_writes_split_labelled_traces(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    manifest = simulate(tmp_path / "a", n=12, seed=5, workers=2, cache_dir=cache)
+    entries = manifest["traces"]
+    assert len(entries) == 12 == sum(manifest["splits"].values())
+    assert {e["family"] for e in entries} >= {"leak", "steady"}
+    # Held out by (model, GPU size): no combination appears in two splits.
+    combos: dict[tuple[str, int], str] = {}
+    for e in entries:
+        assert e["split"] in SPLITS
+        assert combos.setdefault((e["capture"], e["gpu_gib"]), e["split"]) == e["split"]
+        trace = load_trace(tmp_path / "a" / e["file"])
+        assert trace.ooms == e["ooms"]
+        if e["ooms"]:
+            assert trace.events[0].ts == e["oom_ts"]
+    assert len(find_traces(tmp_path / "a")) == 12
+    on_disk = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert on_disk["traces"] == entries
+    again = simulate(tmp_path / "b", n=12, seed=5, workers=1, cache_dir=cache)
+    assert again["traces"] == entries  # deterministic for a seed, whatever the workers
+
+
+def test_split_is_a_function_of_the_combination() -> None:
+    seen = {split_of(c, g) for c in ("mlp", "cnn", "varlen", "lstm_lm") for g in (16, 40, 80)}
+    assert seen <= set(SPLITS)
+    assert split_of("mlp", 16) == split_of("mlp", 16)
+
+
+def test_cli_simulate_then_evaluate(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "oomcast.service.cli"]
+    done = subprocess.run(
+        [
+            *cmd,
+            "simulate",
+            "--out",
+            str(tmp_path / "s"),
+            "--n",
+            "6",
+            "--cache",
+            str(tmp_path / "cache"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "wrote 6 traces" in done.stdout
+    ev = subprocess.run(
+        [*cmd, "evaluate", "--traces", str(tmp_path / "s"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ev.returncode == 0, ev.stderr
+    result = json.loads(ev.stdout)
+    some = next(iter(result["detectors"].values()))
+    assert some["oom_traces"] + some["ok_traces"] == 6

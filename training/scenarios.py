@@ -1,0 +1,442 @@
+"""Scenario generators: realistic GPU memory traces from captured allocation logs.
+
+A scenario replays the allocation log of a real (CPU) PyTorch training loop, with its byte
+sizes scaled to a GPU job, through the caching-allocator simulator, on a GPU of a given
+size, and adds what the GPU holds outside the allocator: the CUDA context, library
+workspaces, NCCL buffers from the first collective, and other processes. Each family is a
+way real jobs run out of memory, or only look as if they will:
+
+OOM: ``leak``, ``seq_growth``, ``fragmentation``, ``eval_no_grad``, ``optimizer_state``,
+``checkpoint_spike``, ``neighbour``.  No OOM: ``steady``, ``plateau``, ``spikes``.
+
+Everything is drawn from a ``random.Random(seed)``, so a trace is a pure function of its
+parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from oomcast.model.schema import Event, Record, Sample
+from oomcast.training.allocator import CachingAllocatorSim, SimOutOfMemory
+from oomcast.training.capture import CAPTURES, AllocationLog, Op, cached_capture
+
+MIB = 1 << 20
+GIB = 1 << 30
+GPU_SIZES_GIB = (16, 24, 40, 48, 80, 94, 141)
+INTERVALS_S = (0.1, 0.25, 0.5, 1.0, 2.0)
+OOM_FAMILIES = (
+    "leak",
+    "seq_growth",
+    "fragmentation",
+    "eval_no_grad",
+    "optimizer_state",
+    "checkpoint_spike",
+    "neighbour",
+)
+SAFE_FAMILIES = ("steady", "plateau", "spikes")
+FAMILIES = OOM_FAMILIES + SAFE_FAMILIES
+PHASE_SHARE = {"forward": 0.35, "backward": 0.55, "optimizer": 0.10}
+SCALED_PHASES = ("forward", "backward", "eval")  # activations grow with sequence or batch
+# Storages under 1 KiB (scalars, masks, step counters) are left out of the replay: on a GPU
+# they share a 2 MiB small-pool segment, and they are a fifth of all operations.
+MIN_OP_BYTES = 1024
+
+
+class NeighbourOutOfMemory(Exception):
+    """The other process on the GPU could not get the memory it asked for."""
+
+
+@dataclass
+class ScenarioParams:
+    family: str
+    seed: int
+    capture: str
+    gpu_gib: int
+    interval_s: float
+    step_s: float
+    target_frac: float  # steady peak of the job as a fraction of what the allocator may use
+    duration_s: float
+    context_mib: int
+    workspace_mib: int
+    nccl_mib: int  # 0 for a single-GPU job
+    expandable_segments: bool
+    extra: dict[str, float] = field(default_factory=dict)  # family-specific knobs
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def draw_params(family: str, seed: int) -> ScenarioParams:
+    """Random but plausible parameters for one trace of a family."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown scenario family {family!r}; choose one of {FAMILIES}")
+    r = random.Random(f"{family}:{seed}")
+    capture = r.choice(sorted(CAPTURES))
+    if family == "fragmentation":
+        capture = "varlen"
+    extra: dict[str, float] = {}
+    target = r.uniform(0.55, 0.80)
+    duration = r.uniform(600, 1200)
+    interval = r.choice(INTERVALS_S)
+    if family == "leak":
+        extra["time_to_oom_s"] = r.uniform(90, 900)
+    elif family == "seq_growth":
+        extra["grow_every_s"] = r.uniform(30, 120)
+        extra["grow_by"] = r.uniform(0.08, 0.25)
+    elif family == "fragmentation":
+        target = r.uniform(0.45, 0.60)
+        extra["shape_spread"] = r.uniform(0.2, 0.6)
+        extra["drift_per_s"] = r.uniform(0.0005, 0.002)  # longer sequences over time
+    elif family == "eval_no_grad":
+        extra["eval_every_s"] = r.uniform(60, 240)
+        extra["eval_batches"] = float(r.randint(2, 6))
+        extra["eval_growth"] = r.uniform(1.3, 2.0)  # each eval keeps more outputs than the last
+    elif family == "optimizer_state":
+        target = r.uniform(0.85, 1.05)  # weights+grads fit; Adam's state may not
+        extra["load_s"] = r.uniform(10, 60)
+    elif family == "checkpoint_spike":
+        extra["checkpoint_every_s"] = r.uniform(60, 300)
+        extra["leak_per_s"] = r.uniform(
+            0.0002, 0.001
+        )  # slow creep until a checkpoint no longer fits
+    elif family == "neighbour":
+        extra["arrive_s"] = r.uniform(60, 400)
+        extra["neighbour_frac"] = r.uniform(0.25, 0.6)
+        extra["ramp_s"] = r.uniform(5, 40)
+    elif family == "steady":
+        target = r.uniform(0.65, 0.82)
+    elif family == "plateau":
+        target = r.uniform(0.45, 0.60)
+        extra["growth_frac"] = r.uniform(0.15, 0.35)
+        extra["tau_s"] = r.uniform(60, 300)
+    elif family == "spikes":
+        target = r.uniform(0.55, 0.70)
+        extra["checkpoint_every_s"] = r.uniform(30, 120)
+    return ScenarioParams(
+        family=family,
+        seed=seed,
+        capture=capture,
+        gpu_gib=r.choice(GPU_SIZES_GIB),
+        interval_s=interval,
+        step_s=round(r.uniform(0.2, 2.0), 3),
+        target_frac=round(target, 4),
+        # at most ~3,000 samples: a 0.1 s collector gives five minutes
+        duration_s=round(min(duration, 3000 * interval), 1),
+        context_mib=r.randint(300, 500),
+        workspace_mib=r.choice((8, 32, 64, 128)),
+        nccl_mib=r.choice((0, 0, r.randint(512, 1640))),
+        expandable_segments=r.random() < 0.25,
+        extra={k: round(v, 5) for k, v in extra.items()},
+    )
+
+
+@dataclass
+class _Point:
+    t: float
+    allocated: int
+    reserved: int
+    retries: int
+
+
+class _Run:
+    """One simulated job on one GPU: the allocator, the log, the clock, the samples."""
+
+    def __init__(
+        self, p: ScenarioParams, log: AllocationLog, start_ts: float, node: str, device: str
+    ) -> None:
+        self.p = p
+        self.log = log
+        self.rng = random.Random(f"run:{p.family}:{p.seed}")
+        self.total = p.gpu_gib * GIB
+        self.outside = (p.context_mib + p.workspace_mib) * MIB  # held by the driver and libraries
+        self.nccl = 0
+        self.neighbour = 0
+        self.alloc = CachingAllocatorSim(
+            self._capacity(), expandable_segments=p.expandable_segments
+        )
+        usable = self.total - self.outside - p.nccl_mib * MIB
+        self.scale = p.target_frac * usable / max(1, log.peak_bytes("train"))
+        self.handles: dict[int, int] = {}
+        self.t = 0.0
+        self.start_ts = start_ts
+        self.node, self.device = node, device
+        self.job = f"{p.capture}-{p.family}-{p.seed}"
+        self.points: list[_Point] = []
+        self.memo: dict[tuple[Any, int], list[tuple[float, int, int]]] = {}
+        self._compiled_cache: dict[tuple[int, float], list[tuple[bool, int, int, str]]] = {}
+        self.dirty = False
+        # (time, bytes held outside the allocator from then on): context, NCCL, neighbours
+        self.outside_events: list[tuple[float, int]] = [(0.0, self.outside)]
+
+    def set_outside(self, nccl: int | None = None, neighbour: int | None = None) -> None:
+        if nccl is not None:
+            self.nccl = nccl
+        if neighbour is not None:
+            self.neighbour = neighbour
+        self.outside_events.append((self.t, self.outside + self.nccl + self.neighbour))
+        self.alloc.capacity_bytes = self._capacity()
+
+    def outside_at(self, t: float) -> int:
+        value = self.outside_events[0][1]
+        for when, v in self.outside_events:
+            if when > t:
+                break
+            value = v
+        return value
+
+    def _capacity(self) -> int:
+        return max(0, self.total - self.outside - self.nccl - self.neighbour)
+
+    def used(self, reserved: int) -> int:
+        return self.outside + self.nccl + self.neighbour + reserved
+
+    def mark(self) -> None:
+        s = self.alloc.stats()
+        self.points.append(_Point(self.t, s.allocated_bytes, s.reserved_bytes, s.num_alloc_retries))
+
+    def apply(self, op: Op, factor: float = 1.0) -> None:
+        if op.alloc:
+            self.handles[op.sid] = self.alloc.malloc(int(op.size * self.scale * factor))
+        elif op.sid in self.handles:
+            self.alloc.free(self.handles.pop(op.sid))
+
+    def load_weights(self, seconds: float) -> None:
+        ops = self.log.persistent
+        for i, op in enumerate(ops):
+            self.apply(op)
+            self.t += seconds / max(1, len(ops))
+            if i % max(1, len(ops) // 20) == 0:
+                self.mark()
+        self.mark()
+
+    def extra(self, size: int) -> int:
+        """An allocation outside the captured steps (a leak, an eval that keeps its graph)."""
+        self.dirty = True
+        return self.alloc.malloc(size)
+
+    def _compiled(self, ops: list[Op], factor: float) -> list[tuple[bool, int, int, str]]:
+        key = (id(ops), factor)
+        out = self._compiled_cache.get(key)
+        if out is None:
+            out = [
+                (
+                    op.alloc,
+                    op.sid,
+                    int(op.size * self.scale * (factor if op.phase in SCALED_PHASES else 1.0)),
+                    op.phase,
+                )
+                for op in ops
+                if not op.alloc or op.size >= MIN_OP_BYTES
+            ]
+            if factor == 1.0:  # varying factors are one-offs: do not keep them
+                self._compiled_cache[key] = out
+        return out
+
+    def step(self, ops: list[Op], seconds: float, factor: float = 1.0, kind: int = 0) -> None:
+        """Replay one step's ops over ``seconds``, marking the state at each phase's end.
+        A step that returns the allocator to the state it started from is memoized: replaying
+        it again from that state would give the same stats, so it is skipped."""
+        key = None
+        if factor == 1.0 and not self.dirty:
+            key = (self.alloc.state_key(), kind)
+            cached = self.memo.get(key)
+            if cached is not None:
+                t0 = self.t
+                retries = self.alloc.stats().num_alloc_retries
+                for frac, allocated, reserved in cached:
+                    self.t = t0 + frac * seconds
+                    self.points.append(_Point(self.t, allocated, reserved, retries))
+                return
+        self.dirty = False
+        t0 = self.t
+        marks: list[tuple[float, int, int]] = []
+        done = 0.0
+        compiled = self._compiled(ops, factor)
+        phase = compiled[0][3] if compiled else "forward"
+        malloc, free, handles = self.alloc.malloc, self.alloc.free, self.handles
+        for is_alloc, sid, size, op_phase in compiled:
+            if op_phase != phase:
+                done += PHASE_SHARE.get(phase, 0.0)
+                self.t = t0 + done * seconds
+                self.mark()
+                pt = self.points[-1]
+                marks.append((done, pt.allocated, pt.reserved))
+                phase = op_phase
+            if is_alloc:
+                handles[sid] = malloc(size)
+            else:
+                h = handles.pop(sid, None)
+                if h is not None:
+                    free(h)
+        self.t = t0 + seconds
+        self.mark()
+        pt = self.points[-1]
+        marks.append((1.0, pt.allocated, pt.reserved))
+        if key is not None and self.alloc.state_key() == key[0]:
+            self.memo[key] = marks
+
+
+def _train_ops(log: AllocationLog) -> tuple[list[Op], list[Op]]:
+    """The first train step (it creates the optimizer state) and a steady one."""
+    train = [s for s in log.steps if s.kind == "train"]
+    return train[0].ops, train[min(2, len(train) - 1)].ops
+
+
+def _kind_ops(log: AllocationLog, kind: str) -> list[Op] | None:
+    for s in log.steps:
+        if s.kind == kind:
+            return s.ops
+    return None
+
+
+def _sample_points(run: _Run, p: ScenarioParams, oom_t: float | None) -> list[Record]:
+    """NVML-like samples every ``interval_s`` from the state points of the run."""
+    records: list[Record] = []
+    pts = run.points
+    if not pts:
+        return records
+    end_t = pts[-1].t if oom_t is None else oom_t
+    t = 0.0
+    i = 0
+    peak_used = 0
+    noise = random.Random(f"noise:{p.family}:{p.seed}")
+    while t <= end_t + 1e-9:
+        # every point up to t contributes to the peak since the previous sample
+        while i + 1 < len(pts) and pts[i + 1].t <= t:
+            i += 1
+            peak_used = max(peak_used, run.outside_at(pts[i].t) + pts[i].reserved)
+        pt = pts[i]
+        used = run.outside_at(t) + pt.reserved
+        peak_used = max(peak_used, used)
+        jitter = int(noise.gauss(0, 2 * MIB))  # NVML also counts small driver allocations
+        used = min(run.total, max(0, used + jitter))
+        records.append(
+            Sample(
+                ts=round(run.start_ts + t, 3),
+                node=run.node,
+                device=run.device,
+                kind="gpu",
+                total_bytes=run.total,
+                used_bytes=used,
+                allocated_bytes=pt.allocated,
+                reserved_bytes=pt.reserved,
+                peak_bytes=min(run.total, max(used, peak_used)),
+                alloc_retries=pt.retries,
+                job=run.job,
+            )
+        )
+        peak_used = 0
+        t += p.interval_s
+    return records
+
+
+def simulate_scenario(
+    p: ScenarioParams,
+    cache_dir: Path,
+    *,
+    start_ts: float = 1_700_000_000.0,
+    node: str = "sim-node",
+    device: str = "gpu0",
+) -> tuple[list[Record], dict[str, Any]]:
+    """Run one scenario; returns its records (ending in an ``oom`` event if it OOMs) and a
+    summary for the manifest."""
+    log = cached_capture(p.capture, cache_dir)
+    run = _Run(p, log, start_ts, node, device)
+    first_ops, steady_ops = _train_ops(log)
+    eval_ops = _kind_ops(log, "eval") or [op for op in steady_ops if op.phase == "forward"]
+    ckpt_ops = _kind_ops(log, "checkpoint") or _checkpoint_ops(log)
+    oom_t: float | None = None
+    oom_job = run.job
+    x = p.extra
+    r = run.rng
+    try:
+        run.load_weights(x.get("load_s", r.uniform(3, 20)))
+        if p.nccl_mib:
+            run.set_outside(nccl=p.nccl_mib * MIB)  # the first all-reduce creates NCCL's buffers
+        run.step(first_ops, p.step_s, kind=1)
+        next_eval = x.get("eval_every_s", math.inf)
+        next_ckpt = x.get("checkpoint_every_s", math.inf)
+        evals = 0
+        leaked: list[int] = []
+        leak_per_step = 0
+        if p.family == "leak":
+            head = run.alloc.capacity_bytes - run.alloc.stats().reserved_bytes
+            steps_to_oom = max(1.0, x["time_to_oom_s"] / p.step_s)
+            leak_per_step = int(max(head, 0) / steps_to_oom * r.uniform(0.9, 1.3))
+        neighbour_at = x.get("arrive_s", math.inf)
+        while run.t < p.duration_s:
+            factor = 1.0
+            if p.family == "seq_growth":
+                factor = (1 + x["grow_by"]) ** math.floor(run.t / x["grow_every_s"])
+            elif p.family == "fragmentation":
+                spread = x["shape_spread"]
+                base = 1 + x["drift_per_s"] * run.t
+                factor = base * r.choice((0.6, 0.8, 1.0, 1.0 + spread / 2, 1.0 + spread))
+            elif p.family == "plateau":
+                factor = 1 + x["growth_frac"] / p.target_frac * (1 - math.exp(-run.t / x["tau_s"]))
+            step_s = p.step_s * r.uniform(0.95, 1.05)
+            run.step(steady_ops, step_s, factor)
+            if leak_per_step:
+                leaked.append(run.extra(leak_per_step))  # losses kept with their graphs
+            if p.family == "checkpoint_spike" and x["leak_per_s"]:
+                leaked.append(run.extra(int(x["leak_per_s"] * step_s * run.total)))
+            if run.t >= next_eval:
+                evals += 1
+                keep = int(x.get("eval_batches", 1) * x.get("eval_growth", 1.0) ** evals)
+                held: list[int] = []
+                for _ in range(max(1, keep)):  # no torch.no_grad(): activations stay alive
+                    held.extend(run.extra(int(op.size * run.scale)) for op in eval_ops if op.alloc)
+                    run.t += p.step_s * 0.3
+                    run.mark()
+                for h in held:
+                    run.alloc.free(h)
+                run.mark()
+                next_eval += x["eval_every_s"]
+            if run.t >= next_ckpt:
+                run.step(ckpt_ops, p.step_s * 2, kind=2)
+                next_ckpt += x["checkpoint_every_s"]
+            if run.t >= neighbour_at and run.neighbour < x["neighbour_frac"] * run.total:
+                # Another process on the same GPU ramps up its own memory.
+                want = min(
+                    int(x["neighbour_frac"] * run.total),
+                    run.neighbour + int(x["neighbour_frac"] * run.total * step_s / x["ramp_s"]),
+                )
+                if run.used(run.alloc.stats().reserved_bytes) + want - run.neighbour > run.total:
+                    oom_job = f"neighbour-of-{run.job}"
+                    raise NeighbourOutOfMemory()
+                run.set_outside(neighbour=want)
+    except (SimOutOfMemory, NeighbourOutOfMemory):
+        oom_t = run.t
+        run.mark()
+    records = _sample_points(run, p, oom_t)
+    if oom_t is not None:
+        records.append(
+            Event(
+                ts=round(start_ts + oom_t + 1e-3, 3),
+                node=node,
+                device=device,
+                event="oom",
+                job=oom_job,
+            )
+        )
+    stats = run.alloc.stats()
+    summary = {
+        "ooms": oom_t is not None,
+        "oom_after_s": None if oom_t is None else round(oom_t, 3),
+        "samples": sum(1 for rec in records if isinstance(rec, Sample)),
+        "scale": round(run.scale, 3),
+        "peak_reserved_gib": round(stats.peak_reserved_bytes / GIB, 3),
+        "num_alloc_retries": stats.num_alloc_retries,
+    }
+    return records, summary
+
+
+def _checkpoint_ops(log: AllocationLog) -> list[Op]:
+    """A device-side copy of the weights when the capture has no checkpoint step."""
+    ops = [Op(True, -i - 1, op.size, "checkpoint", "") for i, op in enumerate(log.persistent)]
+    return ops + [Op(False, op.sid, 0, "checkpoint", "") for op in ops]

@@ -14,7 +14,7 @@ COPY service ./service
 COPY training ./training
 
 FROM base AS service
-RUN pip install ".[service]" && rm -rf /src \
+RUN pip install ".[service,onnx]" && rm -rf /src \
     && useradd --system --uid 10001 --no-create-home oomcast
 USER 10001
 EXPOSE 8000

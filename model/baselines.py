@@ -45,7 +45,9 @@ class ThresholdBaseline:
     def init_state(self) -> None:
         return None
 
-    def step(self, states: list[None], samples: list[Sample]) -> list[Forecast]:
+    def step(
+        self, states: list[None], samples: list[Sample], embeddings: object = None
+    ) -> list[Forecast]:
         out = []
         for sample in samples:
             over = sample.used_frac >= self.used_frac
@@ -151,7 +153,9 @@ class PredictLinearBaseline:
         fitted_now = intercept + slope * x_now
         return max(0.0, (1.0 - fitted_now) / slope)
 
-    def step(self, states: list[_LinearState], samples: list[Sample]) -> list[Forecast]:
+    def step(
+        self, states: list[_LinearState], samples: list[Sample], embeddings: object = None
+    ) -> list[Forecast]:
         out = []
         for st, sample in zip(states, samples, strict=True):
             if st.t0 is None:
@@ -195,7 +199,9 @@ class KubeletBaseline:
     def init_state(self) -> _KubeletState:
         return _KubeletState()
 
-    def step(self, states: list[_KubeletState], samples: list[Sample]) -> list[Forecast]:
+    def step(
+        self, states: list[_KubeletState], samples: list[Sample], embeddings: object = None
+    ) -> list[Forecast]:
         out = []
         for st, sample in zip(states, samples, strict=True):
             if st.next_poll_ts is None or sample.ts >= st.next_poll_ts:

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 from oomcast.model.schema import Sample
 
-EMBEDDING_VERSION = 1
+EMBEDDING_VERSION = 2
 
-FEATURES: tuple[str, ...] = (
+# Features of one sample and its predecessor (``embed``).
+INSTANT_FEATURES: tuple[str, ...] = (
     "used_frac",
     "allocated_frac",
     "allocated_present",
@@ -33,18 +34,50 @@ FEATURES: tuple[str, ...] = (
     "headroom_log2_gib",  # log2 of free GiB, clipped: 100 MiB free is not 10% free on every size
     "is_gpu",
 )
+# Features that summarize the domain's history (``EmbeddingState``): trends over two time
+# scales in percent of capacity per second, the recent high-water mark, and the domain's age
+# (a job's start-up climbs fast and then levels off; a leak does not).
+CONTEXT_FEATURES: tuple[str, ...] = (
+    "trend_30s_pct_per_s",
+    "trend_300s_pct_per_s",
+    "recent_peak_frac",  # highest peak_frac, decaying with a 300 s time constant
+    "log1p_age_s",
+)
+FEATURES = INSTANT_FEATURES + CONTEXT_FEATURES
 N_FEATURES = len(FEATURES)
+N_INSTANT = len(INSTANT_FEATURES)
 
 
 @dataclass(slots=True)
 class EmbeddingState:
-    """What the embedding needs to remember of a domain: its previous sample."""
+    """What the embedding remembers of a domain: its previous sample and running trends."""
 
     prev: Sample | None = None
+    first_ts: float | None = None
+    trend_fast: float = 0.0
+    trend_slow: float = 0.0
+    recent_peak: float = 0.0
 
     def embed(self, sample: Sample) -> list[float]:
         vec = embed(sample, self.prev)
+        dt = 0.0 if self.prev is None else max(0.0, sample.ts - self.prev.ts)
+        rate = vec[FEATURES.index("used_frac_per_s")] * 100.0  # percent of capacity per second
+        for name, tau in (("trend_fast", 30.0), ("trend_slow", 300.0)):
+            alpha = 1.0 - math.exp(-dt / tau) if dt > 0 else 0.0
+            setattr(self, name, getattr(self, name) + alpha * (rate - getattr(self, name)))
+        peak = vec[FEATURES.index("peak_frac")]
+        self.recent_peak = max(peak, self.recent_peak * math.exp(-dt / 300.0))
+        if self.first_ts is None:
+            self.first_ts = sample.ts
         self.prev = sample
+        vec.extend(
+            (
+                max(-10.0, min(10.0, self.trend_fast)),
+                max(-10.0, min(10.0, self.trend_slow)),
+                self.recent_peak,
+                math.log1p(sample.ts - self.first_ts),
+            )
+        )
         return vec
 
 
@@ -53,6 +86,8 @@ def _frac(value: int | None, total: int) -> tuple[float, float]:
 
 
 def embed(sample: Sample, prev: Sample | None) -> list[float]:
+    """The instant features (``INSTANT_FEATURES``) of one sample; ``EmbeddingState`` adds the
+    context features that complete the vector."""
     total = sample.total_bytes
     used = sample.used_bytes / total
     alloc, alloc_m = _frac(sample.allocated_bytes, total)

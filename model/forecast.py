@@ -50,7 +50,22 @@ class Forecaster(Protocol):
 
     def init_state(self) -> Any: ...
 
-    def step(self, states: list[Any], samples: list[Sample]) -> list[Forecast]: ...
+    def step(
+        self,
+        states: list[Any],
+        samples: list[Sample],
+        embeddings: list[list[float] | None] | None = None,
+    ) -> list[Forecast]:
+        """Advance ``states[i]`` by ``samples[i]``. ``embeddings[i]``, when given, is the
+        sample's embedding as the node computed it (matching ``EMBEDDING_VERSION``)."""
+        ...
+
+
+def release_state(forecaster: Forecaster, state: Any) -> None:
+    """Give a domain's state back (the ONNX forecaster keeps states in reusable slots)."""
+    release = getattr(forecaster, "release", None)
+    if release is not None:
+        release(state)
 
 
 def risk_from_time_to_oom(

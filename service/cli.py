@@ -143,10 +143,69 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     if not Path(args.traces).is_dir():
         raise UsageError(f"--traces {args.traces}: not a folder")
-    result = evaluate_folder(args.traces, baseline_detectors(), min_lead_s=args.min_lead)
+    detectors = list(baseline_detectors())
+    model = _model_detector(args.model)
+    if model is not None:
+        detectors.insert(0, model)
+    result = evaluate_folder(args.traces, detectors, min_lead_s=args.min_lead)
     print(
         json.dumps(result, indent=None if args.json else 1) if args.json else format_table(result)
     )
+    return 0
+
+
+def _model_detector(path: str | None) -> Any:
+    """The model as a detector (named ``model``), or None with a note when there is none."""
+    from oomcast.model.forecast import Detector
+    from oomcast.model.runtime import DEFAULT_MODEL, ModelLoadError, OnnxForecaster
+
+    try:
+        fc = OnnxForecaster(path or DEFAULT_MODEL)
+    except ModelLoadError as exc:
+        if path:
+            raise UsageError(str(exc)) from None
+        print(f"{PROG} evaluate: no model scored ({exc}); baselines only", file=sys.stderr)
+        return None
+    return Detector("model", fc, fc.rule)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from oomcast.training.train import train
+
+    extra = [Path(p) for p in args.extra_train]
+    for folder in [Path(args.data) / "train", Path(args.data) / "val", *extra]:
+        if not folder.is_dir():
+            raise UsageError(f"{folder}: not a folder of traces (run oomcast simulate first)")
+    train(
+        args.data,
+        args.out,
+        extra_train=extra,
+        epochs=args.epochs,
+        seed=args.seed,
+        max_minutes=args.max_minutes,
+    )
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from oomcast.training.export import export
+
+    if not Path(args.checkpoint).is_file():
+        raise UsageError(f"--checkpoint {args.checkpoint}: no such file")
+    path = export(args.checkpoint, args.out, version=args.version)
+    print(f"wrote {path} ({path.stat().st_size} bytes)")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from oomcast.service.bench import bench_inference
+
+    result = bench_inference(args.model, seconds=args.seconds)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:40} {value}")
     return 0
 
 
@@ -223,7 +282,30 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--traces", required=True)
     e.add_argument("--min-lead", type=float, default=10.0, help="seconds of warning that count")
     e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.add_argument("--model", help="ONNX model to score (default: the shipped one, if any)")
     e.set_defaults(func=cmd_evaluate)
+
+    t = sub.add_parser("train", help="train the LSTM on simulated (and real) traces")
+    t.add_argument("--data", default="data/sim", help="folder written by oomcast simulate")
+    t.add_argument("--out", default="runs/latest", help="where the checkpoint goes")
+    t.add_argument("--extra-train", nargs="*", default=[], help="more folders of traces")
+    t.add_argument("--epochs", type=int, default=60)
+    t.add_argument("--max-minutes", type=float, default=28.0)
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=cmd_train)
+
+    x = sub.add_parser("export", help="export a checkpoint to ONNX")
+    x.add_argument("--checkpoint", default="runs/latest/checkpoint.pt")
+    x.add_argument("--out", default="model/oomcast-lstm.onnx")
+    x.add_argument("--version", default="lstm-dev")
+    x.set_defaults(func=cmd_export)
+
+    b = sub.add_parser("bench", help="measure a hot path")
+    b.add_argument("what", choices=["inference"], help="ingest and hook benchmarks: not yet")
+    b.add_argument("--model", help="ONNX model (default: shipped, else an untrained one)")
+    b.add_argument("--seconds", type=float, default=2.0, help="per measurement")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench)
     return p
 
 

@@ -26,4 +26,7 @@ class ServiceContext:
     metrics: Metrics
     ingestor: Ingestor
     webhooks: WebhookSender | None = None
+    forecaster_kind: str = "baseline"  # "model", "baseline" or "fallback"
+    forecaster_reason: str = ""
+    provider: str = "python"
     tasks: list[asyncio.Task[None]] = field(default_factory=list)

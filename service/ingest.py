@@ -260,9 +260,10 @@ class Ingestor:
                     fired.append(payload)
         else:
             group = self.group
-            samples, arrived_ms = self._decode_samples(stream, entries, deadletters)
+            samples, embs, arrived_ms = self._decode_samples(stream, entries, deadletters)
             for start in range(0, len(samples), APPLY_CHUNK):
-                applied = self.live.apply(samples[start : start + APPLY_CHUNK])
+                chunk = slice(start, start + APPLY_CHUNK)
+                applied = self.live.apply(samples[chunk], embeddings=embs[chunk])
                 self.metrics.samples.inc(len(applied.forecasts))
                 self.metrics.duplicates.inc(applied.duplicates)
                 self.metrics.late.inc(applied.late)
@@ -284,9 +285,11 @@ class Ingestor:
 
     def _decode_samples(
         self, stream: str, entries: StreamEntries, deadletters: list[dict[str, Any]]
-    ) -> tuple[list[Sample], list[int]]:
+    ) -> tuple[list[Sample], list[list[float] | None], list[int]]:
         samples: list[Sample] = []
+        embs: list[list[float] | None] = []
         arrived_ms: list[int] = []
+        version = getattr(self.live.forecaster, "embedding_version", None)
         for entry_id, fields in entries:
             if fields is None:
                 continue
@@ -299,10 +302,12 @@ class Ingestor:
             for item in decoded:
                 if isinstance(item, DecodedSample):
                     samples.append(item.sample)
+                    # the node's embedding when it speaks the model's schema, else recomputed
+                    embs.append(item.emb if item.emb_v == version else None)
                     arrived_ms.append(ms)
                 else:
                     deadletters.append(self._deadletter(stream, entry_id, fields, str(item)))
-        return samples, arrived_ms
+        return samples, embs, arrived_ms
 
     async def _record(
         self,

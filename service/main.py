@@ -14,10 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from oomcast.model.baselines import baseline_by_name
-from oomcast.model.forecast import AlertRule
 from oomcast.model.wire import Keys
-from oomcast.service.alerts import AlertPolicy
+from oomcast.service import forecaster
 from oomcast.service.api.routes import alerts, devices, health, predict, samples
 from oomcast.service.context import ServiceContext
 from oomcast.service.ingest import Ingestor
@@ -31,17 +29,13 @@ log = logging.getLogger("oomcast.service")
 
 def build_context(settings: Settings) -> ServiceContext:
     keys = Keys(settings.key_prefix, settings.partitions)
-    detector = baseline_by_name(settings.forecaster)
-    log.warning(
-        "forecasting with the BASELINE %s: no trained model is configured",
-        detector.forecaster.version,
-    )
-    rule = AlertRule(settings.alert_horizon_s, settings.alert_fire_risk)
-    policy = AlertPolicy(
-        rule, settings.alert_resolve_risk, settings.alert_fire_after, settings.alert_resolve_after
-    )
+    choice = forecaster.choose(settings)
+    detector = choice.detector
+    policy = forecaster.alert_policy(settings, choice)
     metrics = Metrics()
-    metrics.model.info({"version": detector.forecaster.version, "kind": "baseline"})
+    metrics.model.info(
+        {"version": detector.forecaster.version, "kind": choice.kind, "provider": choice.provider}
+    )
     live = LiveState(detector.forecaster, policy, settings.history_len)
     client = aioredis.from_url(
         settings.redis_url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=30
@@ -72,7 +66,19 @@ def build_context(settings: Settings) -> ServiceContext:
         alerts_maxlen=settings.alerts_maxlen,
         on_alert=webhooks.submit if webhooks else None,
     )
-    return ServiceContext(settings, keys, client, detector, live, metrics, ingestor, webhooks)
+    return ServiceContext(
+        settings,
+        keys,
+        client,
+        detector,
+        live,
+        metrics,
+        ingestor,
+        webhooks,
+        forecaster_kind=choice.kind,
+        forecaster_reason=choice.reason,
+        provider=choice.provider,
+    )
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -56,10 +56,9 @@ class Settings(BaseSettings):
     stream_maxlen: int = Field(100_000, ge=1000)
     alerts_maxlen: int = Field(10_000, ge=100)
 
-    forecaster: str = Field(
-        "predict_linear_w60s_h60s_gate0.80_full",
-        description="which baseline forecasts until the LSTM model is configured",
-    )
+    # "model" (the ONNX LSTM) or the name of a baseline (see `oomcast evaluate`)
+    forecaster: str = "model"
+    model_path: str | None = None  # default: the model shipped with oomcast
     alert_horizon_s: int = 60
     alert_fire_risk: float = Field(0.5, gt=0, le=1)
     alert_resolve_risk: float = Field(0.2, ge=0, lt=1)

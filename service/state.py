@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomcast.model.forecast import Forecast, Forecaster
+from oomcast.model.forecast import Forecast, Forecaster, release_state
 from oomcast.model.schema import Domain, Event, Sample, SchemaError
 from oomcast.service import alerts
 from oomcast.service.alerts import AlertPolicy, AlertTracker
@@ -102,26 +102,38 @@ class LiveState:
             self.domains[domain] = st
         return st
 
-    def apply(self, samples: list[Sample], now_wall: float | None = None) -> Applied:
+    def apply(
+        self,
+        samples: list[Sample],
+        now_wall: float | None = None,
+        embeddings: list[list[float] | None] | None = None,
+    ) -> Applied:
         """Forecast a batch; samples of one domain are applied in order, one per round, so
-        each round steps the forecaster once for all the domains in it (a batched call)."""
+        each round steps the forecaster once for all the domains in it (a batched call).
+        ``embeddings`` runs parallel to ``samples`` (the node's, where they match)."""
         now_wall = time.time() if now_wall is None else now_wall
         result = Applied([], [], 0, [])
-        rounds: list[list[Sample]] = []
+        rounds: list[list[tuple[Sample, list[float] | None]]] = []
         depth: dict[Domain, int] = {}
-        for sample in samples:
+        embs = embeddings if embeddings is not None else [None] * len(samples)
+        for sample, emb in zip(samples, embs, strict=True):
             k = depth.get(sample.domain, 0)
             depth[sample.domain] = k + 1
             if k == len(rounds):
                 rounds.append([])
-            rounds[k].append(sample)
+            rounds[k].append((sample, emb))
         for round_samples in rounds:
             self._apply_round(round_samples, now_wall, result)
         return result
 
-    def _apply_round(self, samples: list[Sample], now_wall: float, result: Applied) -> None:
-        batch: list[tuple[DomainState, Sample]] = []
-        for sample in samples:
+    def _apply_round(
+        self,
+        samples: list[tuple[Sample, list[float] | None]],
+        now_wall: float,
+        result: Applied,
+    ) -> None:
+        batch: list[tuple[DomainState, Sample, list[float] | None]] = []
+        for sample, emb in samples:
             st = self._state(sample.domain)
             if st.last_oom_ts is not None and sample.ts <= st.last_oom_ts:
                 result.late += 1  # from the job that already OOMed, read after its OOM event
@@ -138,14 +150,16 @@ class LiveState:
                     result.rejected.append((sample, problem))
                 continue
             st.last = sample
-            batch.append((st, sample))
+            batch.append((st, sample, emb))
         if not batch:
             return
         forecasts = self.forecaster.step(
-            [st.forecaster_state for st, _ in batch], [s for _, s in batch]
+            [st.forecaster_state for st, _, _ in batch],
+            [s for _, s, _ in batch],
+            [e for _, _, e in batch],
         )
         horizon = self.policy.rule.horizon_s
-        for (st, sample), fc in zip(batch, forecasts, strict=True):
+        for (st, sample, _), fc in zip(batch, forecasts, strict=True):
             st.forecast = fc
             st.samples_seen += 1
             st.last_seen_wall = now_wall
@@ -187,6 +201,7 @@ class LiveState:
             )
         alerts.reset(st.alert)
         # The job that OOMed is gone; its successor starts from a clean slate.
+        release_state(self.forecaster, st.forecaster_state)
         st.forecaster_state = self.forecaster.init_state()
         return payload
 
@@ -204,6 +219,7 @@ class LiveState:
                         "resolved", st.last, st.forecast, st.alert, self.policy, reason, job=st.job
                     )
                 )
+            release_state(self.forecaster, st.forecaster_state)
             del self.domains[domain]
         return out
 

@@ -9,7 +9,9 @@ import pytest
 from oomcast.model.embedding import (
     EMBEDDING_VERSION,
     FEATURES,
+    INSTANT_FEATURES,
     N_FEATURES,
+    N_INSTANT,
     EmbeddingState,
     embed,
 )
@@ -55,16 +57,18 @@ def feat(vec: list[float], name: str) -> float:
 
 
 def test_feature_names_are_unique_and_counted() -> None:
-    assert len(set(FEATURES)) == len(FEATURES) == N_FEATURES == 14
+    assert len(set(FEATURES)) == len(FEATURES) == N_FEATURES == 18
+    assert FEATURES[:N_INSTANT] == INSTANT_FEATURES
     assert isinstance(EMBEDDING_VERSION, int)
 
 
 def test_length_equals_n_features() -> None:
     full = smp(allocated=0.4, reserved=0.45, peak=0.55, retries=2)
-    assert len(embed(full, None)) == N_FEATURES
-    assert len(embed(full, smp(ts=T0 - 1))) == N_FEATURES
+    assert len(embed(full, None)) == N_INSTANT
+    assert len(embed(full, smp(ts=T0 - 1))) == N_INSTANT
     bare = smp(kind="host")
-    assert len(embed(bare, None)) == N_FEATURES
+    assert len(embed(bare, None)) == N_INSTANT
+    assert len(EmbeddingState().embed(full)) == N_FEATURES
     assert all(isinstance(x, float) and math.isfinite(x) for x in embed(full, smp(T0 - 1)))
 
 
@@ -91,7 +95,7 @@ def test_same_fractions_on_different_sizes_give_the_same_dimensionless_features(
     a = embed(small, small_prev)
     b = embed(big, big_prev)
     head = IDX["headroom_log2_gib"]
-    for i, name in enumerate(FEATURES):
+    for i, name in enumerate(INSTANT_FEATURES):
         if i != head:
             assert a[i] == pytest.approx(b[i], abs=1e-12), name
     # headroom depends on the absolute free bytes by design: 4 GiB free vs 20 GiB free
@@ -224,4 +228,23 @@ def test_embedding_state_remembers_the_previous_sample() -> None:
     assert feat(second, "log1p_retries_delta") == pytest.approx(math.log1p(3))
     assert state.prev is not None
     assert state.prev.ts == T0 + 4
-    assert second == embed(smp(T0 + 4, used=0.75, retries=4), smp(T0, used=0.5, retries=1))
+    instant = embed(smp(T0 + 4, used=0.75, retries=4), smp(T0, used=0.5, retries=1))
+    assert second[:N_INSTANT] == instant
+
+
+def test_context_features_follow_the_history() -> None:
+    state = EmbeddingState()
+    vecs = [
+        state.embed(smp(T0 + t, used=0.5 + 0.001 * t, peak=0.6 + 0.001 * t))
+        for t in range(0, 600, 2)
+    ]
+    last = vecs[-1]
+    # a steady 0.1%/s climb: both trends converge on it, the fast one sooner
+    assert feat(last, "trend_30s_pct_per_s") == pytest.approx(0.1, rel=1e-3)
+    assert feat(last, "trend_300s_pct_per_s") == pytest.approx(0.1, rel=0.15)
+    assert feat(vecs[10], "trend_30s_pct_per_s") > feat(vecs[10], "trend_300s_pct_per_s")
+    assert feat(last, "recent_peak_frac") == pytest.approx(0.6 + 0.598)
+    assert feat(last, "log1p_age_s") == pytest.approx(math.log1p(598))
+    # a drop: the recent peak decays with a 300 s time constant instead of vanishing
+    after = state.embed(smp(T0 + 900, used=0.2, peak=0.2))
+    assert feat(after, "recent_peak_frac") == pytest.approx(1.198 * math.exp(-302 / 300))

@@ -32,7 +32,11 @@ def body(n: int = 3, **over: Any) -> dict[str, Any]:
     return {"samples": samples}
 
 
+BASELINE = "predict_linear_w60s_h60s_gate0.80_full"  # these tests pin the rule they reason about
+
+
 def settings(redis_url: str, key_prefix: str, **kw: Any) -> Settings:
+    kw.setdefault("forecaster", BASELINE)
     return Settings(
         redis_url=redis_url, key_prefix=key_prefix, partitions=2, consumer_name="api-test", **kw
     )

@@ -33,6 +33,7 @@ def stack(redis_url: str, key_prefix: str, webhook_receiver: Any) -> Any:
         "OOMCAST_WEBHOOK_URL": webhook_receiver.url,
         "OOMCAST_WEBHOOK_SECRET": SECRET,
         "OOMCAST_CONSUMER_NAME": "e2e",
+        "OOMCAST_FORECASTER": "predict_linear_w60s_h60s_gate0.80_full",
     }
     server = subprocess.Popen(
         oomcast_cmd("serve", "--port", str(port)),

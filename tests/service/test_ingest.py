@@ -55,6 +55,7 @@ def app_settings(redis_url: str, prefix: str, **kw: Any) -> Settings:
         "key_prefix": prefix,
         "partitions": 2,
         "consumer_name": "svc-1",
+        "forecaster": "predict_linear_w60s_h60s_gate0.80_full",
     }
     base.update(kw)
     return Settings(**base)

@@ -42,6 +42,11 @@ async def readyz(ctx: Ctx, response: Response) -> dict[str, object]:
         "redis": redis_ok,
         "ingest": ingest_ok,
         "model_version": ctx.detector.forecaster.version,
+        "forecaster": {
+            "kind": ctx.forecaster_kind,
+            "reason": ctx.forecaster_reason,
+            "provider": ctx.provider,
+        },
         "partitions": ctx.ingestor.partitions,
         "problem": problem,
     }

@@ -4,6 +4,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from oomcast.model.forecast import release_state
 from oomcast.service.api.deps import Authorized, Ctx
 from oomcast.service.api.samples_in import SamplesBody, parse_samples
 
@@ -17,8 +18,11 @@ def predict(body: SamplesBody, ctx: Ctx) -> dict[str, Any]:
     forecaster = ctx.detector.forecaster
     state = forecaster.init_state()
     forecast = None
-    for sample in samples:
-        forecast = forecaster.step([state], [sample])[0]
+    try:
+        for sample in samples:
+            forecast = forecaster.step([state], [sample])[0]
+    finally:
+        release_state(forecaster, state)
     assert forecast is not None
     return {
         "risk": {str(h): round(p, 6) for h, p in forecast.risk.items()},

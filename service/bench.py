@@ -1,0 +1,115 @@
+"""``oomcast bench inference``: the cost of streaming forecasts, measured, not asserted.
+
+Steps N domains at once through the ONNX forecaster, on one core, with the embeddings the
+nodes computed (the service's hot path) and, for comparison, with the embeddings computed
+in the service; then times the stateless window forecast of ``POST /v1/predict``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from oomcast.model.embedding import EmbeddingState
+from oomcast.model.runtime import DEFAULT_MODEL, OnnxForecaster
+from oomcast.model.schema import Sample
+
+GIB = 1 << 30
+
+
+def _model(path: str | None) -> tuple[Path, str]:
+    if path:
+        return Path(path), "given"
+    if DEFAULT_MODEL.is_file():
+        return DEFAULT_MODEL, "shipped"
+    # Speed does not depend on the weights: export an untrained network of the same shape.
+    import torch
+
+    from oomcast.model.network import NetConfig, OOMForecastNet
+    from oomcast.training.export import export
+    from oomcast.training.train import Rule, save_checkpoint
+
+    tmp = Path(tempfile.mkdtemp(prefix="oomcast-bench-"))
+    torch.manual_seed(0)
+    save_checkpoint(tmp / "c.pt", OOMForecastNet(NetConfig()), Rule(60, 0.5, 0, 0, 0))
+    return export(tmp / "c.pt", tmp / "bench.onnx", version="bench-untrained"), "untrained"
+
+
+def _samples(n: int, t: int) -> list[Sample]:
+    return [
+        Sample(
+            ts=1_700_000_000.0 + t,
+            node=f"n{i // 8}",
+            device=f"gpu{i % 8}",
+            kind="gpu",
+            total_bytes=80 * GIB,
+            used_bytes=int((0.5 + 0.001 * t) * 80 * GIB),
+            allocated_bytes=int(0.4 * 80 * GIB),
+            reserved_bytes=int(0.45 * 80 * GIB),
+            peak_bytes=int(0.52 * 80 * GIB),
+            alloc_retries=0,
+            job="bench",
+        )
+        for i in range(n)
+    ]
+
+
+def bench_inference(model: str | None = None, seconds: float = 2.0) -> dict[str, Any]:
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
+    path, weights = _model(model)
+    fc = OnnxForecaster(path, providers=["CPUExecutionProvider"], threads=1)
+    out: dict[str, Any] = {
+        "model": str(path),
+        "weights": weights,
+        "provider": fc.provider,
+        "cores": 1,
+    }
+    for n in (1, 100, 5000):
+        states = [fc.init_state() for _ in range(n)]
+        steps = [_samples(n, t) for t in range(4)]
+        embs = []
+        for batch in steps:
+            e = [EmbeddingState() for _ in range(n)]
+            embs.append([e[i].embed(s) for i, s in enumerate(batch)])
+        for node_side in (True, False):
+            done, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                k = done % len(steps)
+                fc.step(states, steps[k], embs[k] if node_side else None)
+                done += 1
+            per = (time.perf_counter() - t0) / (done * n) * 1e6
+            key = f"us_per_sample_{n}" + ("" if node_side else "_embedded_in_service")
+            out[key] = round(per, 3)
+        # the ONNX call alone, for the share the rest of the path takes
+        x = np.asarray(embs[0], dtype=np.float32)
+        h = np.zeros((fc.layers, n, fc.hidden), np.float32)
+        done, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / 2:
+            fc.session.run(None, {"x": x, "h": h, "c": h})
+            done += 1
+        out[f"onnx_only_us_per_sample_{n}"] = round(
+            (time.perf_counter() - t0) / (done * n) * 1e6, 3
+        )
+        for st in states:
+            fc.release(st)
+    window = [_samples(1, t)[0] for t in range(300)]
+    lat = []
+    for _ in range(60):
+        t0 = time.perf_counter()
+        st = fc.init_state()
+        for s in window:
+            fc.step([st], [s])
+        fc.release(st)
+        lat.append((time.perf_counter() - t0) * 1000)
+    lat.sort()
+    out["window_samples"] = len(window)
+    out["window_p50_ms"] = round(statistics.median(lat), 3)
+    out["window_p99_ms"] = round(lat[int(0.99 * (len(lat) - 1))], 3)
+    return out

@@ -1,0 +1,125 @@
+"""Export to ONNX and serve from ONNX Runtime: parity with torch, metadata, state slots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from support import sample
+
+from oomcast.model.embedding import EmbeddingState
+from oomcast.model.network import NetConfig, OOMForecastNet
+from oomcast.model.runtime import ModelLoadError, OnnxForecaster, time_to_oom
+from oomcast.training.export import export
+from oomcast.training.train import Rule, save_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, OOMForecastNet]:
+    torch.manual_seed(0)
+    net = OOMForecastNet(NetConfig())
+    net.set_normalization(
+        torch.full((net.cfg.n_features,), 0.3), torch.full((net.cfg.n_features,), 0.5)
+    )
+    for p in net.parameters():  # larger weights: risks spread over (0, 1), not all ~0.5
+        p.data.mul_(3.0)
+    net.eval()
+    tmp = tmp_path_factory.mktemp("model")
+    save_checkpoint(tmp / "ckpt.pt", net, Rule(60, 0.4, 0.9, 0.95, 0.01), epoch=3)
+    path = export(tmp / "ckpt.pt", tmp / "m.onnx", version="test-1")
+    return path, net
+
+
+def ramp(n: int, device: str, slope: float) -> list:  # type: ignore[type-arg]
+    return [
+        sample(
+            1000.0 + 0.7 * t,
+            min(0.99, 0.3 + slope * t),
+            device=device,
+            allocated_bytes=int((0.2 + slope * t / 2) * (80 << 30)),
+            alloc_retries=t // 9,
+        )
+        for t in range(n)
+    ]
+
+
+@pytest.mark.parametrize("batch", [1, 7])
+@pytest.mark.parametrize("steps", [5, 40])
+def test_streaming_onnx_matches_torch_on_the_whole_window(
+    model_file: tuple[Path, OOMForecastNet], batch: int, steps: int
+) -> None:
+    path, net = model_file
+    fc = OnnxForecaster(path)
+    seqs = [ramp(steps, f"gpu{b}", 0.004 + 0.002 * b) for b in range(batch)]
+    states = [fc.init_state() for _ in range(batch)]
+    streamed = np.zeros((batch, steps, len(fc.horizons_s)))
+    for t in range(steps):
+        for b, f in enumerate(fc.step(states, [s[t] for s in seqs])):
+            streamed[b, t] = [f.risk[h] for h in fc.horizons_s]
+    x = np.stack(
+        [
+            [st.embed(s) for s in seq]
+            for seq, st in zip(seqs, [EmbeddingState() for _ in seqs], strict=True)
+        ]
+    )
+    with torch.no_grad():
+        full, _ = net(torch.from_numpy(x.astype(np.float32)))
+    assert np.abs(streamed - full.numpy()).max() < 1e-4
+    assert streamed.std() > 0.01  # the comparison is not between two constants
+
+
+def test_node_embeddings_are_used_when_given(model_file: tuple[Path, OOMForecastNet]) -> None:
+    path, _ = model_file
+    fc = OnnxForecaster(path)
+    seq = ramp(6, "gpu0", 0.01)
+    a, b = fc.init_state(), fc.init_state()
+    emb = EmbeddingState()
+    for s in seq:
+        local = fc.step([a], [s])[0]
+        given = fc.step([b], [s], [emb.embed(s)])[0]
+        assert local.risk == pytest.approx(given.risk, abs=1e-6)
+
+
+def test_metadata_rule_and_slots(model_file: tuple[Path, OOMForecastNet]) -> None:
+    path, _ = model_file
+    fc = OnnxForecaster(path)
+    assert fc.version == "test-1"
+    assert fc.rule.horizon_s == 60 and fc.rule.fire_risk == 0.4
+    assert fc.provider == "CPUExecutionProvider"
+    slots = [fc.init_state() for _ in range(150)]  # grows past the first 64
+    assert len({s.index for s in slots}) == 150
+    fc.release(slots[3])
+    assert fc.init_state().index == slots[3].index
+    meta = onnx.load(str(path)).metadata_props
+    assert {p.key for p in meta} >= {"oomcast.version", "oomcast.rule", "oomcast.features"}
+
+
+def test_bad_model_files_are_refused_with_a_reason(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="no model file"):
+        OnnxForecaster(tmp_path / "missing.onnx")
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"not a model")
+    with pytest.raises(ModelLoadError, match="cannot load"):
+        OnnxForecaster(junk)
+
+
+def test_wrong_embedding_version_is_refused(
+    model_file: tuple[Path, OOMForecastNet], tmp_path: Path
+) -> None:
+    model = onnx.load(str(model_file[0]))
+    for p in model.metadata_props:
+        if p.key == "oomcast.embedding_version":
+            p.value = "1"
+    onnx.save(model, str(tmp_path / "old.onnx"))
+    with pytest.raises(ModelLoadError, match="embedding v1"):
+        OnnxForecaster(tmp_path / "old.onnx")
+
+
+def test_time_to_oom_reads_the_median_off_the_risk_curve() -> None:
+    h = np.asarray([5, 15, 30, 60, 120, 300], dtype=float)
+    assert time_to_oom(np.asarray([0.1, 0.2, 0.3, 0.4, 0.45, 0.49]), h) is None
+    assert time_to_oom(np.asarray([0.1, 0.2, 0.4, 0.6, 0.9, 1.0]), h) == pytest.approx(45.0)
+    assert time_to_oom(np.asarray([0.8, 0.9, 1, 1, 1, 1]), h) == pytest.approx(5 * 0.5 / 0.8)

@@ -1,0 +1,149 @@
+"""From traces to training arrays: embeddings, per-horizon labels and what is known.
+
+For a sample at ``ts`` of a domain that OOMs at ``T``, the label at horizon ``h`` is
+``T - ts <= h``. For a domain that never OOMs, the label is 0 only where the trace runs at
+least ``h`` past ``ts``; near its end the future is unknown and the entry is masked out,
+so the model is not taught that every trace's last minutes are safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import multiprocessing as mp
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from oomcast.model.embedding import EMBEDDING_VERSION, EmbeddingState
+from oomcast.model.forecast import HORIZONS_S
+from oomcast.model.trace import find_traces, load_trace
+
+H = np.asarray(HORIZONS_S, dtype=np.float64)
+
+
+@dataclass
+class Sequence:
+    """One domain of one trace."""
+
+    name: str
+    x: np.ndarray  # (time, features) float32
+    y: np.ndarray  # (time, horizons) float32: OOM within the horizon
+    m: np.ndarray  # (time, horizons) float32: 1 where the label is known
+    tto: np.ndarray  # (time,) float64: seconds to the OOM, inf when none follows
+    ooms: bool
+
+
+def sequences_of(path: Path) -> list[Sequence]:
+    trace = load_trace(path)
+    out = []
+    for domain, samples in trace.samples.items():
+        state = EmbeddingState()
+        x = np.asarray([state.embed(s) for s in samples], dtype=np.float32)
+        ts = np.asarray([s.ts for s in samples], dtype=np.float64)
+        oom_ts = trace.oom_ts(domain)
+        if oom_ts is not None:
+            tto = oom_ts - ts
+            y = (tto[:, None] <= H[None, :]).astype(np.float32)
+            m = np.ones_like(y)
+        else:
+            tto = np.full(len(ts), np.inf)
+            y = np.zeros((len(ts), len(H)), dtype=np.float32)
+            m = ((ts[-1] - ts)[:, None] >= H[None, :]).astype(np.float32)
+        out.append(Sequence(f"{path.name}:{domain[1]}", x, y, m, tto, oom_ts is not None))
+    return out
+
+
+def load_folder(
+    folder: Path | str, cache_dir: Path | str | None = None, workers: int | None = None
+) -> list[Sequence]:
+    """Every sequence of every trace below ``folder``, cached as one .npz per folder."""
+    paths = find_traces(folder)
+    if not paths:
+        raise FileNotFoundError(f"no traces in {folder}")
+    key = hashlib.sha1(
+        "|".join(f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in paths).encode()
+        + f"v{EMBEDDING_VERSION}".encode()
+    ).hexdigest()[:16]
+    cache = Path(cache_dir) / f"seq-{key}.npz" if cache_dir else None
+    if cache is not None and cache.exists():
+        return _from_npz(cache)
+    workers = workers or min(4, os.cpu_count() or 1)
+    if workers > 1 and len(paths) > 8:
+        with mp.get_context("fork").Pool(workers) as pool:
+            nested = pool.map(sequences_of, paths, chunksize=16)
+    else:
+        nested = [sequences_of(p) for p in paths]
+    seqs = [s for group in nested for s in group]
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        _to_npz(cache, seqs)
+    return seqs
+
+
+def _to_npz(path: Path, seqs: list[Sequence]) -> None:
+    lengths = np.asarray([len(s.x) for s in seqs])
+    np.savez_compressed(
+        path,
+        names=np.asarray([s.name for s in seqs]),
+        lengths=lengths,
+        ooms=np.asarray([s.ooms for s in seqs]),
+        x=np.concatenate([s.x for s in seqs]),
+        y=np.concatenate([s.y for s in seqs]),
+        m=np.concatenate([s.m for s in seqs]),
+        tto=np.concatenate([s.tto for s in seqs]),
+    )
+
+
+def _from_npz(path: Path) -> list[Sequence]:
+    with np.load(path) as z:  # each z[key] decompresses anew: read every array once
+        names, lengths, ooms = z["names"], z["lengths"], z["ooms"]
+        x, y, m, tto = z["x"], z["y"], z["m"], z["tto"]
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    return [
+        Sequence(str(names[i]), x[a:b], y[a:b], m[a:b], tto[a:b], bool(ooms[i]))
+        for i, (a, b) in enumerate(itertools.pairwise(bounds))
+    ]
+
+
+def normalization(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    x = np.concatenate([s.x for s in seqs])
+    return x.mean(axis=0), x.std(axis=0)
+
+
+def sample_windows(
+    seqs: list[Sequence], n: int, length: int, rng: np.random.Generator, focus: float = 0.5
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``n`` windows of ``length`` samples (zero-padded, masked). A share ``focus`` ends in
+    the last five minutes before an OOM, so the rare moments that matter are not drowned
+    by hours of calm; the rest are drawn uniformly over all samples. A window that does not
+    start at its trace's beginning masks its first steps, while the LSTM warms up."""
+    n_feat = seqs[0].x.shape[1]
+    n_h = seqs[0].y.shape[1]
+    xs = np.zeros((n, length, n_feat), np.float32)
+    ys = np.zeros((n, length, n_h), np.float32)
+    ms = np.zeros((n, length, n_h), np.float32)
+    lengths = np.asarray([len(s.x) for s in seqs], dtype=np.float64)
+    oom_idx = [i for i, s in enumerate(seqs) if s.ooms]
+    for k in range(n):
+        if oom_idx and rng.random() < focus:
+            s = seqs[oom_idx[rng.integers(len(oom_idx))]]
+            near = np.flatnonzero(s.tto <= 300.0)
+            end = int(near[rng.integers(len(near))]) + 1 if len(near) else len(s.x)
+        else:
+            s = seqs[rng.choice(len(seqs), p=lengths / lengths.sum())]
+            end = int(rng.integers(1, len(s.x) + 1))
+        start = max(0, end - length)
+        if start > 0 and rng.random() < 0.5:
+            start = 0 if end <= 4 * length else start  # some windows see the job's beginning
+            end = min(end, start + length)
+        seg = slice(start, end)
+        t = end - start
+        xs[k, :t] = s.x[seg]
+        ys[k, :t] = s.y[seg]
+        ms[k, :t] = s.m[seg]
+        if start > 0:
+            ms[k, : min(t, 16)] = 0.0  # warm-up
+    return xs, ys, ms, np.zeros(n)

@@ -1,0 +1,81 @@
+"""Export a trained checkpoint to ONNX (``oomcast export``).
+
+The graph is one streaming step: ``x`` (batch, features), ``h`` and ``c`` (layers, batch,
+hidden) in; ``risk`` (batch, horizons), ``h_out`` and ``c_out`` out. The batch axis is
+dynamic, so the service steps any number of domains in one call. Everything the runtime
+needs to use the file correctly travels in the ONNX metadata: horizons, feature-schema
+version and names, the alert rule chosen on validation, and the validation figures.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from oomcast.model.embedding import FEATURES
+from oomcast.model.network import StepModule
+from oomcast.training.train import load_checkpoint
+
+
+def export(
+    checkpoint: Path | str, out: Path | str, version: str, extra_meta: dict[str, Any] | None = None
+) -> Path:
+    import onnx
+
+    net, ckpt = load_checkpoint(checkpoint)
+    cfg = net.cfg
+    step = StepModule(net).eval()
+    batch = 2
+    x = torch.zeros(batch, cfg.n_features)
+    h = torch.zeros(cfg.layers, batch, cfg.hidden)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        # the legacy exporter warns about LSTM batch sizes; h and c are inputs here, which
+        # is exactly what makes any batch size safe
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            step,
+            (x, h, h.clone()),
+            str(out),
+            input_names=["x", "h", "c"],
+            output_names=["risk", "h_out", "c_out"],
+            dynamic_axes={
+                "x": {0: "batch"},
+                "h": {1: "batch"},
+                "c": {1: "batch"},
+                "risk": {0: "batch"},
+                "h_out": {1: "batch"},
+                "c_out": {1: "batch"},
+            },
+            opset_version=17,
+            dynamo=False,
+        )
+    model = onnx.load(str(out))
+    meta = {
+        "oomcast.version": version,
+        "oomcast.horizons_s": json.dumps(list(cfg.horizons_s)),
+        "oomcast.embedding_version": str(cfg.embedding_version),
+        "oomcast.features": json.dumps(list(FEATURES)),
+        "oomcast.layers": str(cfg.layers),
+        "oomcast.hidden": str(cfg.hidden),
+        "oomcast.rule": json.dumps(ckpt["rule"]),
+        "oomcast.trained": json.dumps(
+            {
+                "epoch": ckpt["epoch"],
+                "seed": ckpt["seed"],
+                "data": ckpt["data"],
+                "minutes": ckpt["minutes"],
+            }
+        ),
+        **{f"oomcast.{k}": json.dumps(v) for k, v in (extra_meta or {}).items()},
+    }
+    for key, value in meta.items():
+        entry = model.metadata_props.add()
+        entry.key, entry.value = key, value
+    onnx.save(model, str(out))
+    return out

@@ -294,9 +294,16 @@ def run_demo(
                 webhook_url=inbox.url,
                 webhook_secret=secret,
             )
-            say(f"forecaster: {settings.forecaster} (a baseline until a trained model ships)")
             with service_in_thread(settings, port or free_port()) as base, collectors(url, speed):
                 say(f"service: {base}  (try {base}/v1/devices or {base}/docs)")
+                ready = httpx.get(f"{base}/readyz", timeout=5).json()
+                kind = ready["forecaster"]["kind"]
+                note = {
+                    "model": "the trained model",
+                    "baseline": "a baseline, as configured",
+                    "fallback": "a BASELINE: " + ready["forecaster"]["reason"],
+                }[kind]
+                say(f"forecaster: {ready['model_version']} ({note})")
                 say(f"webhooks: {inbox.url}, HMAC-signed; Ctrl-C stops the demo")
                 ooms = _watch(base, inbox, stop, duration_s, live)
             _report(inbox, ooms)

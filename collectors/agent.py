@@ -58,9 +58,17 @@ class NodeAgent:
                 if isinstance(record, Event):
                     events.append(Entry(self.keys.events, encode_event(record), 1))
                     self.stats.events += 1
+                    if record.event == "oom":
+                        self._embedders.pop(record.domain, None)  # that job is gone
                     continue
                 assert isinstance(record, Sample)
-                emb = self._embedders.setdefault(record.domain, EmbeddingState()).embed(record)
+                state = self._embedders.get(record.domain)
+                if state is None or (
+                    state.prev is not None and record.job and record.job != state.prev.job
+                ):
+                    # a new job starts its history afresh: age, trends, high-water mark
+                    state = self._embedders[record.domain] = EmbeddingState()
+                emb = state.embed(record)
                 payload = sample_payload(record, emb, EMBEDDING_VERSION)
                 by_node.setdefault(record.node, []).append(payload)
                 self.stats.samples += 1

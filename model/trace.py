@@ -38,7 +38,8 @@ class TraceError(ValueError):
 
 def _open_text(path: Path, mode: str) -> IO[str]:
     if path.name.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, mode + "b"), encoding="utf-8")
+        # mtime 0: the same records give the same bytes, run after run
+        return io.TextIOWrapper(gzip.GzipFile(path, mode + "b", mtime=0), encoding="utf-8")
     return open(path, mode, encoding="utf-8")
 
 

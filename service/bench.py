@@ -7,7 +7,9 @@ in the service; then times the stateless window forecast of ``POST /v1/predict``
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -36,6 +38,7 @@ def _model(path: str | None) -> tuple[Path, str]:
     from oomcast.training.train import Rule, save_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="oomcast-bench-"))
+    atexit.register(shutil.rmtree, tmp, True)
     torch.manual_seed(0)
     save_checkpoint(tmp / "c.pt", OOMForecastNet(NetConfig()), Rule(60, 0.5, 0, 0, 0))
     return export(tmp / "c.pt", tmp / "bench.onnx", version="bench-untrained"), "untrained"
@@ -61,8 +64,17 @@ def _samples(n: int, t: int) -> list[Sample]:
 
 
 def bench_inference(model: str | None = None, seconds: float = 2.0) -> dict[str, Any]:
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if cores:
+        os.sched_setaffinity(0, {min(cores)})  # one core
+    try:
+        return _bench(model, seconds)
+    finally:
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+
+def _bench(model: str | None, seconds: float) -> dict[str, Any]:
     path, weights = _model(model)
     fc = OnnxForecaster(path, providers=["CPUExecutionProvider"], threads=1)
     out: dict[str, Any] = {

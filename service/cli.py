@@ -126,7 +126,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             print(f"wrote {path}")
         return 0
     manifest = simulate(
-        args.out, n=args.n, seed=args.seed, workers=args.workers, cache_dir=args.cache
+        args.out,
+        n=args.n,
+        seed=args.seed,
+        workers=args.workers,
+        cache_dir=args.cache,
+        overwrite=args.overwrite,
     )
     ooms = sum(1 for t in manifest["traces"] if t["ooms"])
     splits = ", ".join(f"{k} {v}" for k, v in manifest["splits"].items())
@@ -276,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     m.add_argument("--cache", default="data/captures", help="where captured allocation logs go")
     m.add_argument("--figures", help="instead: write one PNG per scenario family here")
+    m.add_argument("--overwrite", action="store_true", help="replace traces already in --out")
     m.set_defaults(func=cmd_simulate)
 
     e = sub.add_parser("evaluate", help="score the forecasters on a folder of traces")

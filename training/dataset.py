@@ -39,11 +39,15 @@ class Sequence:
 def sequences_of(path: Path) -> list[Sequence]:
     trace = load_trace(path)
     out = []
-    for domain, samples in trace.samples.items():
+    for domain, all_samples in trace.samples.items():
+        oom_ts = trace.oom_ts(domain)
+        # what follows the OOM belongs to no forecast of it
+        samples = [s for s in all_samples if oom_ts is None or s.ts <= oom_ts]
+        if not samples:
+            continue
         state = EmbeddingState()
         x = np.asarray([state.embed(s) for s in samples], dtype=np.float32)
         ts = np.asarray([s.ts for s in samples], dtype=np.float64)
-        oom_ts = trace.oom_ts(domain)
         if oom_ts is not None:
             tto = oom_ts - ts
             y = (tto[:, None] <= H[None, :]).astype(np.float32)
@@ -77,6 +81,8 @@ def load_folder(
     else:
         nested = [sequences_of(p) for p in paths]
     seqs = [s for group in nested for s in group]
+    if not seqs:
+        raise FileNotFoundError(f"the traces in {folder} hold no samples")
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         _to_npz(cache, seqs)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oomcast.model.forecast import Detector
+from oomcast.model.forecast import Detector, release_state
 from oomcast.model.schema import Sample
 from oomcast.model.trace import Trace, find_traces, load_trace
 
@@ -46,12 +46,15 @@ def first_alert_ts(
     """ts of the first sample (before ``until_ts``, when given) at which the detector fires."""
     fc = detector.forecaster
     state = fc.init_state()
-    for sample in samples:
-        if until_ts is not None and sample.ts >= until_ts:
-            return None
-        if detector.rule.fires(fc.step([state], [sample])[0]):
-            return sample.ts
-    return None
+    try:
+        for sample in samples:
+            if until_ts is not None and sample.ts >= until_ts:
+                return None
+            if detector.rule.fires(fc.step([state], [sample])[0]):
+                return sample.ts
+        return None
+    finally:
+        release_state(fc, state)
 
 
 def score_trace(detector: Detector, trace: Trace, score: Score) -> None:

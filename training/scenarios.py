@@ -167,7 +167,7 @@ class _Run:
         self.node, self.device = node, device
         self.job = f"{p.capture}-{p.family}-{p.seed}"
         self.points: list[_Point] = []
-        self.memo: dict[tuple[Any, int], list[tuple[float, int, int]]] = {}
+        self.memo: dict[tuple[Any, int, int], list[tuple[float, int, int]]] = {}
         self._compiled_cache: dict[tuple[int, float], list[tuple[bool, int, int, str]]] = {}
         self.dirty = False
         # (time, bytes held outside the allocator from then on): context, NCCL, neighbours
@@ -243,7 +243,7 @@ class _Run:
         it again from that state would give the same stats, so it is skipped."""
         key = None
         if factor == 1.0 and not self.dirty:
-            key = (self.alloc.state_key(), kind)
+            key = (self.alloc.state_key(), kind, self.alloc.capacity_bytes)
             cached = self.memo.get(key)
             if cached is not None:
                 t0 = self.t
@@ -254,6 +254,7 @@ class _Run:
                 return
         self.dirty = False
         t0 = self.t
+        retries_before = self.alloc.stats().num_alloc_retries
         marks: list[tuple[float, int, int]] = []
         done = 0.0
         compiled = self._compiled(ops, factor)
@@ -277,7 +278,12 @@ class _Run:
         self.mark()
         pt = self.points[-1]
         marks.append((1.0, pt.allocated, pt.reserved))
-        if key is not None and self.alloc.state_key() == key[0]:
+        # Only a step that needed no retry may be skipped later: a skipped step adds none.
+        if (
+            key is not None
+            and self.alloc.state_key() == key[0]
+            and self.alloc.stats().num_alloc_retries == retries_before
+        ):
             self.memo[key] = marks
 
 

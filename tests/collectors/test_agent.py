@@ -11,7 +11,7 @@ from support import leak_trace, sample, write
 from oomcast.collectors.agent import NodeAgent
 from oomcast.collectors.publisher import StreamPublisher
 from oomcast.collectors.sources.replay import ReplaySource
-from oomcast.model.embedding import EMBEDDING_VERSION, N_FEATURES
+from oomcast.model.embedding import EMBEDDING_VERSION, FEATURES, N_FEATURES
 from oomcast.model.schema import Event, Record
 from oomcast.model.wire import Keys, decode_event, decode_samples
 
@@ -97,3 +97,25 @@ def test_agent_buffers_through_an_outage_and_flushes(private_redis: Any) -> None
     got = [s.sample.ts for _, f in client.xrange(keys.samples(0)) for s in decode_samples(f)]
     # The first tick's entry was written to the server before it stopped (and went with it).
     assert got == [2.0, 3.0, 4.0, 5.0, 6.0]
+
+
+def test_embedding_history_restarts_with_a_new_job_or_after_an_oom(
+    rclient: redis.Redis, key_prefix: str
+) -> None:
+    keys = Keys(key_prefix, 1)
+    ticks: list[list[Record]] = [
+        [sample(1.0, 0.5, job="a")],
+        [sample(100.0, 0.9, job="a"), Event(100.5, "n1", "gpu0", "oom")],
+        [sample(200.0, 0.3, job="a")],
+        [sample(300.0, 0.4, job="b")],
+    ]
+    agent = NodeAgent([ListSource(ticks)], StreamPublisher(rclient), keys)
+    for _ in range(len(ticks)):  # the source pops the list as it goes
+        agent.tick()
+    embs = [s.emb for _, f in rclient.xrange(keys.samples(0)) for s in decode_samples(f)]
+    age = FEATURES.index("log1p_age_s")
+    peak = FEATURES.index("recent_peak_frac")
+    assert embs[1] is not None and embs[1][age] > 4  # 99 s into job a
+    assert embs[2] is not None and embs[2][age] == 0.0  # after the OOM: a fresh history
+    assert embs[2][peak] < 0.5  # the dead job's high-water mark is not carried over
+    assert embs[3] is not None and embs[3][age] == 0.0  # job b

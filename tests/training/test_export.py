@@ -75,12 +75,16 @@ def test_node_embeddings_are_used_when_given(model_file: tuple[Path, OOMForecast
     path, _ = model_file
     fc = OnnxForecaster(path)
     seq = ramp(6, "gpu0", 0.01)
-    a, b = fc.init_state(), fc.init_state()
+    a, b, c = fc.init_state(), fc.init_state(), fc.init_state()
     emb = EmbeddingState()
     for s in seq:
         local = fc.step([a], [s])[0]
-        given = fc.step([b], [s], [emb.embed(s)])[0]
+        vec = emb.embed(s)
+        given = fc.step([b], [s], [vec])[0]
         assert local.risk == pytest.approx(given.risk, abs=1e-6)
+        # a different vector changes the forecast: the node's embedding is really read
+        other = fc.step([c], [s], [[v + 1.0 for v in vec]])[0]
+        assert other.risk != pytest.approx(given.risk, abs=1e-3)
 
 
 def test_metadata_rule_and_slots(model_file: tuple[Path, OOMForecastNet]) -> None:

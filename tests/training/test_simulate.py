@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from oomcast.model.trace import find_traces, load_trace
 from oomcast.training.simulate import SPLITS, simulate, split_of
 
@@ -29,6 +31,16 @@ def test_simulate_writes_split_labelled_traces(tmp_path: Path) -> None:
     assert on_disk["traces"] == entries
     again = simulate(tmp_path / "b", n=12, seed=5, workers=1, cache_dir=cache)
     assert again["traces"] == entries  # deterministic for a seed, whatever the workers
+    for e in entries:  # byte for byte
+        assert (tmp_path / "a" / e["file"]).read_bytes() == (
+            tmp_path / "b" / e["file"]
+        ).read_bytes()
+    safe = [e for e in entries if e["family"] in ("steady", "plateau", "spikes")]
+    assert safe and not any(e["ooms"] for e in safe)
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        simulate(tmp_path / "b", n=3, seed=5, workers=1, cache_dir=cache)
+    simulate(tmp_path / "b", n=3, seed=5, workers=1, cache_dir=cache, overwrite=True)
+    assert len(find_traces(tmp_path / "b")) == 3
 
 
 def test_split_is_a_function_of_the_combination() -> None:

@@ -123,18 +123,20 @@ def record_host(
     interval_s: float = DEFAULT_INTERVAL_S,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     resume: bool = False,
+    only: Sequence[str] | None = None,
     root: Path | str | None = None,
     log_dir: Path | str | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Record every run of ``plan`` into ``out``; returns the manifest."""
+    """Record every run of ``plan`` into ``out``; returns the manifest. With ``only``, runs
+    of other scenarios are not recorded, but keep their numbers and manifest entries."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="oomcast-record-"))
     logs.mkdir(parents=True, exist_ok=True)
     manifest_path = out / MANIFEST
     done: dict[str, dict[str, Any]] = {}
-    if resume and manifest_path.exists():
+    if (resume or only) and manifest_path.exists():
         for entry in json.loads(manifest_path.read_text())["runs"]:
             if (out / entry["file"]).exists():
                 done[entry["file"]] = entry
@@ -150,8 +152,11 @@ def record_host(
     }
     for i, spec in enumerate(plan, start=1):
         fname = f"{i:03d}-{spec.scenario}.jsonl.gz"
-        if fname in done:
+        skip = only is not None and spec.scenario not in only
+        if fname in done and (resume or skip):
             manifest["runs"].append(done[fname])
+            continue
+        if skip:
             continue
         cmd = [sys.executable, "-m", "oomcast.training.workloads", *spec.argv()]
         log(f"[{i}/{len(plan)}] {spec.scenario} seed={spec.seed} limit={spec.limit} {spec.knobs}")
@@ -273,7 +278,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         for p in problems:
             print(f"PROBLEM {p}")
         return 1 if problems else 0
-    plan = [s for s in PLAN if args.only is None or s.scenario in args.only]
 
     def on_term(signum: int, _frame: Any) -> None:
         raise SystemExit(128 + signum)  # unwinds through record()'s cleanup of the cgroup
@@ -282,7 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         record_host(
             args.out,
-            plan,
+            PLAN,
+            only=args.only,
             interval_s=args.interval,
             timeout_s=args.timeout,
             resume=args.resume,

@@ -42,6 +42,7 @@ matter only to break ties between free blocks of equal size.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 from operator import index
@@ -757,21 +758,7 @@ class CachingAllocatorSim:
             block.next = rest
             block.size = nbytes
             self._add_unmapped(rest)
-        prev = block.prev
-        if prev is not None and prev.state == _FREE:
-            self._remove_free(prev)
-            block.ptr = prev.ptr
-            block.size += prev.size
-            block.prev = prev.prev
-            if prev.prev is not None:
-                prev.prev.next = block
-        nxt = block.next
-        if nxt is not None and nxt.state == _FREE:
-            self._remove_free(nxt)
-            block.size += nxt.size
-            block.next = nxt.next
-            if nxt.next is not None:
-                nxt.next.prev = block
+        self._merge_neighbours(block, _FREE, self._remove_free)
         self._add_free(block)
         seg.mapped += nbytes
         reserved = self._reserved + nbytes
@@ -779,6 +766,27 @@ class CachingAllocatorSim:
         if reserved > self._peak_reserved:
             self._peak_reserved = reserved
         return True
+
+    def _merge_neighbours(
+        self, block: _Block, state: int, remove: Callable[[_Block], None]
+    ) -> None:
+        """Absorb the neighbours of ``block`` that are in ``state`` (taking them out of their
+        list with ``remove``). ``free`` inlines the same for speed on the hot path."""
+        prev = block.prev
+        if prev is not None and prev.state == state:
+            remove(prev)
+            block.ptr = prev.ptr
+            block.size += prev.size
+            block.prev = prev.prev
+            if prev.prev is not None:
+                prev.prev.next = block
+        nxt = block.next
+        if nxt is not None and nxt.state == state:
+            remove(nxt)
+            block.size += nxt.size
+            block.next = nxt.next
+            if nxt.next is not None:
+                nxt.next.prev = block
 
     def _unmap_block(self, block: _Block) -> None:
         """unmap_block: unmap every whole page inside a free block."""
@@ -809,21 +817,7 @@ class CachingAllocatorSim:
         block.ptr = start
         block.size = nbytes
         block.state = _UNMAPPED
-        prev = block.prev
-        if prev is not None and prev.state == _UNMAPPED:
-            self._remove_unmapped(prev)
-            block.ptr = prev.ptr
-            block.size += prev.size
-            block.prev = prev.prev
-            if prev.prev is not None:
-                prev.prev.next = block
-        nxt = block.next
-        if nxt is not None and nxt.state == _UNMAPPED:
-            self._remove_unmapped(nxt)
-            block.size += nxt.size
-            block.next = nxt.next
-            if nxt.next is not None:
-                nxt.next.prev = block
+        self._merge_neighbours(block, _UNMAPPED, self._remove_unmapped)
         self._add_unmapped(block)
         seg.mapped -= nbytes
         self._reserved -= nbytes

@@ -7,8 +7,9 @@ runs one batched call. The per-domain state is opaque to callers.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from oomcast.model.schema import Sample
 
@@ -16,9 +17,33 @@ from oomcast.model.schema import Sample
 HORIZONS_S: tuple[int, ...] = (5, 15, 30, 60, 120, 300)
 
 
-@dataclass(slots=True, frozen=True)
-class Forecast:
-    risk: dict[int, float]  # horizon_s -> probability of OOM within it; never decreasing
+class RiskRow(Mapping[int, float]):
+    """horizon_s -> risk, read from one row of a batch without building a dict per domain
+    (the model's hot path forecasts thousands of domains per call)."""
+
+    __slots__ = ("_index", "_values")
+
+    def __init__(self, index: dict[int, int], values: list[float]) -> None:
+        self._index = index  # shared: horizon_s -> column
+        self._values = values
+
+    def __getitem__(self, horizon_s: int) -> float:
+        return self._values[self._index[horizon_s]]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+class Forecast(NamedTuple):
+    """One forecast: immutable, and cheap to make by the thousand."""
+
+    risk: Mapping[int, float]  # horizon_s -> probability of OOM within it; never decreasing
     time_to_oom_s: float | None  # best estimate, None when no OOM is in sight
     observed_at: float  # ts of the sample the forecast was made from
     model_version: str

@@ -50,15 +50,19 @@ class OOMForecastNet(nn.Module):
         self.hazard = nn.Linear(cfg.hidden, len(cfg.horizons_s))
 
     def set_normalization(self, mean: torch.Tensor, scale: torch.Tensor) -> None:
+        """A feature that hardly varies in training (a mask that is always 1 there) keeps
+        scale 1: dividing by its tiny spread would turn the other value, met in service,
+        into an input in the thousands."""
         self.x_mean.copy_(mean)
-        self.x_scale.copy_(torch.clamp(scale, min=1e-3))
+        self.x_scale.copy_(torch.where(scale < 1e-2, torch.ones_like(scale), scale))
 
     def log_survival(
         self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x: (batch, time, features) -> log P(no OOM within horizon k): (batch, time, H)."""
         assert x.dim() == 3 and x.shape[-1] == self.cfg.n_features, x.shape
-        z = self.embed((x - self.x_mean) / self.x_scale)
+        # clipped: a value far outside anything seen in training saturates, never explodes
+        z = self.embed(torch.clamp((x - self.x_mean) / self.x_scale, -8.0, 8.0))
         out, new_state = self.lstm(z, state)  # (batch, time, hidden)
         logits = self.hazard(out)  # (batch, time, H)
         # log(1 - sigmoid(l)) = -softplus(l); summed over bins: survival up to each horizon
@@ -73,6 +77,23 @@ class OOMForecastNet(nn.Module):
     def zero_state(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.cfg.layers, batch, self.cfg.hidden)
         return torch.zeros(shape), torch.zeros(shape)
+
+
+class SequenceModule(nn.Module):
+    """The graph exported to ONNX: (x, h, c) -> (risk, h, c), with x: (batch, time,
+    features); h, c: (layers, batch, hidden); risk: (batch, time, H). Batch and time are both
+    dynamic, so the one graph serves streaming (time = 1, state carried between calls) and
+    a whole window at once (zero state in, the window's risks out)."""
+
+    def __init__(self, net: OOMForecastNet) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(
+        self, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        risk, (h2, c2) = self.net(x, (h, c))
+        return risk, h2, c2
 
 
 class StepModule(nn.Module):

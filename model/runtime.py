@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from oomcast.model.embedding import EMBEDDING_VERSION, EmbeddingState
-from oomcast.model.forecast import AlertRule, Forecast
+from oomcast.model.forecast import AlertRule, Forecast, RiskRow
 from oomcast.model.schema import Sample
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ class OnnxForecaster:
         self._c = np.zeros_like(self._h)
         self._free: list[int] = list(range(63, -1, -1))
         self._horizons = np.asarray(self.horizons_s, dtype=np.float64)
+        self._index = {h: i for i, h in enumerate(self.horizons_s)}
         self._n_features = len(json.loads(meta["oomcast.features"]))
 
     # -- state slots ----------------------------------------------------------------------
@@ -152,15 +153,33 @@ class OnnxForecaster:
                     rows.append(st.emb.embed(sample))
             x = np.asarray(rows, dtype=np.float32)
         idx = np.fromiter((st.index for st in states), dtype=np.intp, count=n)
-        risk, h, c = self.session.run(None, {"x": x, "h": self._h[:, idx], "c": self._c[:, idx]})
+        risk, h, c = self.session.run(
+            None, {"x": x[:, None, :], "h": self._h[:, idx], "c": self._c[:, idx]}
+        )
+        risk = risk[:, 0, :]
         self._h[:, idx] = h
         self._c[:, idx] = c
         ttos = times_to_oom(risk, self._horizons)
-        horizons = self.horizons_s
+        index = self._index
         version = self.version
         return [
-            Forecast(dict(zip(horizons, row, strict=True)), tto, sample.ts, version)
+            Forecast(RiskRow(index, row), tto, sample.ts, version)
             for row, tto, sample in zip(risk.tolist(), ttos, samples, strict=True)
+        ]
+
+    def window(self, samples: list[Sample]) -> list[Forecast]:
+        """Forecasts for every sample of one domain's window, in one call from a zero state
+        (the stateless path of ``POST /v1/predict``; live state is not touched)."""
+        if not samples:
+            return []
+        emb = EmbeddingState()
+        x = np.asarray([[emb.embed(s) for s in samples]], dtype=np.float32)
+        zero = np.zeros((self.layers, 1, self.hidden), np.float32)
+        risk = self.session.run(None, {"x": x, "h": zero, "c": zero})[0][0]
+        ttos = times_to_oom(risk, self._horizons)
+        return [
+            Forecast(RiskRow(self._index, row), tto, s.ts, self.version)
+            for row, tto, s in zip(risk.tolist(), ttos, samples, strict=True)
         ]
 
     @property

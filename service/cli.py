@@ -16,6 +16,7 @@ from typing import Any
 
 PROG = "oomcast"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+HOST_TRACES = Path(__file__).resolve().parents[1] / "training" / "traces" / "host"
 
 
 class UsageError(Exception):
@@ -144,15 +145,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from oomcast.model.baselines import baseline_detectors
-    from oomcast.training.evaluate import evaluate_folder, format_table
+    from oomcast.model.trace import find_traces
+    from oomcast.training.evaluate import evaluate, format_table
 
-    if not Path(args.traces).is_dir():
-        raise UsageError(f"--traces {args.traces}: not a folder")
+    paths: list[Path] = []
+    for given in args.traces:
+        path = Path(given)
+        if path.is_dir():
+            found = find_traces(path)
+            if not found:
+                raise UsageError(f"--traces {given}: no traces (*.jsonl, *.jsonl.gz) in it")
+            paths += found
+        elif path.is_file():
+            paths.append(path)
+        else:
+            raise UsageError(f"--traces {given}: not a folder or file")
     detectors = list(baseline_detectors())
     model = _model_detector(args.model)
     if model is not None:
         detectors.insert(0, model)
-    result = evaluate_folder(args.traces, detectors, min_lead_s=args.min_lead)
+    result = evaluate(detectors, paths, min_lead_s=args.min_lead)
     print(
         json.dumps(result, indent=None if args.json else 1) if args.json else format_table(result)
     )
@@ -175,12 +187,20 @@ def _model_detector(path: str | None) -> Any:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from oomcast.training.dataset import host_split
     from oomcast.training.train import train
 
     extra = [Path(p) for p in args.extra_train]
-    for folder in [Path(args.data) / "train", Path(args.data) / "val", *extra]:
+    for folder in [Path(args.data) / "train", Path(args.data) / "val"]:
         if not folder.is_dir():
             raise UsageError(f"{folder}: not a folder of traces (run oomcast simulate first)")
+    for path in extra:
+        if not path.exists():
+            raise UsageError(f"--extra-train {path}: no such file or folder")
+    if args.host_traces:
+        if not (Path(args.host_traces) / "manifest.json").is_file():
+            raise UsageError(f"--host-traces {args.host_traces}: no manifest.json there")
+        extra += host_split(args.host_traces)[0]
     train(
         args.data,
         args.out,
@@ -188,6 +208,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         epochs=args.epochs,
         seed=args.seed,
         max_minutes=args.max_minutes,
+        progress=not args.no_progress,
     )
     return 0
 
@@ -199,6 +220,22 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UsageError(f"--checkpoint {args.checkpoint}: no such file")
     path = export(args.checkpoint, args.out, version=args.version)
     print(f"wrote {path} ({path.stat().st_size} bytes)")
+    return 0
+
+
+def cmd_card(args: argparse.Namespace) -> int:
+    from oomcast.training.model_card import build
+
+    for given, what in ((args.model, "--model"), (args.sim_test, "--sim-test")):
+        if not Path(given).exists():
+            raise UsageError(f"{what} {given}: no such file or folder")
+    result = build(args.model, args.sim_test, args.host_traces, args.figures)
+    out = json.dumps(result, indent=1, default=float)
+    if args.out:
+        Path(args.out).write_text(out + "\n")
+        print(f"wrote {args.out} and {', '.join(result['figures'])}")
+    else:
+        print(out)
     return 0
 
 
@@ -285,7 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=cmd_simulate)
 
     e = sub.add_parser("evaluate", help="score the forecasters on a folder of traces")
-    e.add_argument("--traces", required=True)
+    e.add_argument(
+        "--traces", required=True, nargs="+", help="folders of traces and/or trace files"
+    )
     e.add_argument("--min-lead", type=float, default=10.0, help="seconds of warning that count")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.add_argument("--model", help="ONNX model to score (default: the shipped one, if any)")
@@ -294,8 +333,16 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train the LSTM on simulated (and real) traces")
     t.add_argument("--data", default="data/sim", help="folder written by oomcast simulate")
     t.add_argument("--out", default="runs/latest", help="where the checkpoint goes")
-    t.add_argument("--extra-train", nargs="*", default=[], help="more folders of traces")
+    t.add_argument(
+        "--extra-train", nargs="*", default=[], help="more traces (files or folders) to train on"
+    )
+    t.add_argument(
+        "--host-traces",
+        default=str(HOST_TRACES),
+        help="recorded host traces: their training half (even seeds) is added; '' for none",
+    )
     t.add_argument("--epochs", type=int, default=60)
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.add_argument("--max-minutes", type=float, default=28.0)
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_train)
@@ -305,6 +352,14 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out", default="model/oomcast-lstm.onnx")
     x.add_argument("--version", default="lstm-dev")
     x.set_defaults(func=cmd_export)
+
+    c = sub.add_parser("card", help="measure a model for its card: figures and per-family tables")
+    c.add_argument("--model", default="model/oomcast-lstm.onnx")
+    c.add_argument("--sim-test", default="data/sim/test", help="the simulated test split")
+    c.add_argument("--host-traces", default=str(HOST_TRACES))
+    c.add_argument("--figures", default="docs/figures", help="where the PNGs go")
+    c.add_argument("--out", help="write the numbers here as JSON (default: print them)")
+    c.set_defaults(func=cmd_card)
 
     b = sub.add_parser("bench", help="measure a hot path")
     b.add_argument("what", choices=["inference"], help="ingest and hook benchmarks: not yet")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from oomcast.model import embedding as embedding_module
 from oomcast.model.embedding import EMBEDDING_VERSION, EmbeddingState
 from oomcast.model.forecast import HORIZONS_S
 from oomcast.model.trace import find_traces, load_trace
@@ -67,9 +68,33 @@ def load_folder(
     paths = find_traces(folder)
     if not paths:
         raise FileNotFoundError(f"no traces in {folder}")
+    return load_paths(paths, cache_dir, workers)
+
+
+def host_split(folder: Path | str) -> tuple[list[Path], list[Path]]:
+    """The recorded host traces split in two by their run's seed: even seeds train, odd seeds
+    are held out, so every workload has runs on both sides. Files are named
+    ``NNN-<workload>.jsonl.gz`` and the manifest gives each run's seed."""
+    import json
+
+    folder = Path(folder)
+    runs = json.loads((folder / "manifest.json").read_text())["runs"]
+    train = [folder / r["file"] for r in runs if r["seed"] % 2 == 0]
+    test = [folder / r["file"] for r in runs if r["seed"] % 2 == 1]
+    return train, test
+
+
+def load_paths(
+    paths: list[Path], cache_dir: Path | str | None = None, workers: int | None = None
+) -> list[Sequence]:
+    """Every sequence of the given traces, cached as one .npz per set of files."""
+    if not paths:
+        raise FileNotFoundError("no traces given")
     key = hashlib.sha1(
         "|".join(f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in paths).encode()
         + f"v{EMBEDDING_VERSION}".encode()
+        # the embedding's own code: a changed feature must never be read from an old cache
+        + hashlib.sha1(Path(embedding_module.__file__).read_bytes()).digest()
     ).hexdigest()[:16]
     cache = Path(cache_dir) / f"seq-{key}.npz" if cache_dir else None
     if cache is not None and cache.exists():
@@ -82,7 +107,7 @@ def load_folder(
         nested = [sequences_of(p) for p in paths]
     seqs = [s for group in nested for s in group]
     if not seqs:
-        raise FileNotFoundError(f"the traces in {folder} hold no samples")
+        raise FileNotFoundError(f"the traces {paths[0]} ... hold no samples")
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         _to_npz(cache, seqs)
@@ -120,26 +145,43 @@ def normalization(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def sample_windows(
-    seqs: list[Sequence], n: int, length: int, rng: np.random.Generator, focus: float = 0.5
+    seqs: list[Sequence],
+    n: int,
+    length: int,
+    rng: np.random.Generator,
+    focus: float = 0.5,
+    weights: np.ndarray | None = None,
+    hard: list[tuple[int, int]] | None = None,
+    hard_share: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``n`` windows of ``length`` samples (zero-padded, masked). A share ``focus`` ends in
     the last five minutes before an OOM, so the rare moments that matter are not drowned
-    by hours of calm; the rest are drawn uniformly over all samples. A window that does not
+    by hours of calm; a share ``hard_share`` ends at one of the ``hard`` (sequence, sample)
+    moments (where the model last raised a false alarm); the rest are drawn uniformly over
+    all samples, each sequence's samples weighted by ``weights``. A window that does not
     start at its trace's beginning masks its first steps, while the LSTM warms up."""
     n_feat = seqs[0].x.shape[1]
     n_h = seqs[0].y.shape[1]
     xs = np.zeros((n, length, n_feat), np.float32)
     ys = np.zeros((n, length, n_h), np.float32)
     ms = np.zeros((n, length, n_h), np.float32)
-    lengths = np.asarray([len(s.x) for s in seqs], dtype=np.float64)
-    oom_idx = [i for i, s in enumerate(seqs) if s.ooms]
+    w = np.ones(len(seqs)) if weights is None else np.asarray(weights, dtype=np.float64)
+    lengths = np.asarray([len(s.x) for s in seqs], dtype=np.float64) * w
+    p_any = lengths / lengths.sum()
+    oom_idx = np.asarray([i for i, s in enumerate(seqs) if s.ooms])
+    p_oom = w[oom_idx] / w[oom_idx].sum() if len(oom_idx) else None
     for k in range(n):
-        if oom_idx and rng.random() < focus:
-            s = seqs[oom_idx[rng.integers(len(oom_idx))]]
+        u = rng.random()
+        if len(oom_idx) and u < focus:
+            s = seqs[oom_idx[rng.choice(len(oom_idx), p=p_oom)]]
             near = np.flatnonzero(s.tto <= 300.0)
             end = int(near[rng.integers(len(near))]) + 1 if len(near) else len(s.x)
+        elif hard and u < focus + hard_share:
+            i, at = hard[rng.integers(len(hard))]
+            s = seqs[i]
+            end = min(len(s.x), at + 1 + int(rng.integers(0, 8)))
         else:
-            s = seqs[rng.choice(len(seqs), p=lengths / lengths.sum())]
+            s = seqs[rng.choice(len(seqs), p=p_any)]
             end = int(rng.integers(1, len(s.x) + 1))
         start = max(0, end - length)
         if start > 0 and rng.random() < 0.5:

@@ -1,10 +1,13 @@
 """Export a trained checkpoint to ONNX (``oomcast export``).
 
-The graph is one streaming step: ``x`` (batch, features), ``h`` and ``c`` (layers, batch,
-hidden) in; ``risk`` (batch, horizons), ``h_out`` and ``c_out`` out. The batch axis is
-dynamic, so the service steps any number of domains in one call. Everything the runtime
-needs to use the file correctly travels in the ONNX metadata: horizons, feature-schema
-version and names, the alert rule chosen on validation, and the validation figures.
+The graph runs the network over a stretch of samples: ``x`` (batch, time, features), ``h``
+and ``c`` (layers, batch, hidden) in; ``risk`` (batch, time, horizons), ``h_out`` and
+``c_out`` out. Batch and time are dynamic: the service streams with time = 1, carrying each
+domain's ``h`` and ``c`` between calls and stepping any number of domains in one call, and
+answers ``POST /v1/predict`` with one call over the whole window from a zero state.
+Everything the runtime needs to use the file correctly travels in the ONNX metadata:
+horizons, feature-schema version and names, the alert rule chosen on validation, and the
+validation figures.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import torch
 
 from oomcast.model.embedding import FEATURES
-from oomcast.model.network import StepModule
+from oomcast.model.network import SequenceModule
 from oomcast.training.train import load_checkpoint
 
 
@@ -28,9 +31,9 @@ def export(
 
     net, ckpt = load_checkpoint(checkpoint)
     cfg = net.cfg
-    step = StepModule(net).eval()
+    step = SequenceModule(net).eval()
     batch = 2
-    x = torch.zeros(batch, cfg.n_features)
+    x = torch.zeros(batch, 3, cfg.n_features)
     h = torch.zeros(cfg.layers, batch, cfg.hidden)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -45,10 +48,10 @@ def export(
             input_names=["x", "h", "c"],
             output_names=["risk", "h_out", "c_out"],
             dynamic_axes={
-                "x": {0: "batch"},
+                "x": {0: "batch", 1: "time"},
                 "h": {1: "batch"},
                 "c": {1: "batch"},
-                "risk": {0: "batch"},
+                "risk": {0: "batch", 1: "time"},
                 "h_out": {1: "batch"},
                 "c_out": {1: "batch"},
             },

@@ -22,7 +22,14 @@ import torch
 
 from oomcast.model.forecast import HORIZONS_S
 from oomcast.model.network import NetConfig, OOMForecastNet, survival_loss
-from oomcast.training.dataset import Sequence, load_folder, normalization, sample_windows
+from oomcast.model.trace import find_traces
+from oomcast.training.dataset import (
+    Sequence,
+    load_folder,
+    load_paths,
+    normalization,
+    sample_windows,
+)
 
 THRESHOLDS = np.round(np.concatenate([np.arange(0.05, 0.95, 0.025), [0.95, 0.97, 0.99]]), 4)
 
@@ -93,48 +100,116 @@ def best_rule(rules: list[Rule], max_false_alarms: float) -> Rule:
     return max(ok, key=lambda r: (r.recall_30, r.recall_10, -r.false_alarm_rate, r.threshold))
 
 
+def hard_moments(
+    net: OOMForecastNet, seqs: list[Sequence], rule: Rule, top: int = 256
+) -> list[tuple[int, int]]:
+    """Where the model comes closest to a false alarm: for every OOM-free sequence (and every
+    OOM sequence's stretch more than 300 s before its OOM), the sample of highest risk at the
+    rule's horizon; the ``top`` riskiest of those, as (sequence, sample) pairs."""
+    k = list(HORIZONS_S).index(rule.horizon_s)
+    calm = [i for i, s in enumerate(seqs) if not s.ooms or (s.tto > 300).any()]
+    risks = predict_sequences(net, [seqs[i] for i in calm])
+    found = []
+    for i, r in zip(calm, risks, strict=True):
+        s = seqs[i]
+        ok = s.tto > 300  # inf for OOM-free sequences
+        if not ok.any():
+            continue
+        col = np.where(ok, r[:, k], -1.0)
+        at = int(np.argmax(col))
+        found.append((float(col[at]), i, at))
+    found.sort(reverse=True)
+    return [(i, at) for _, i, at in found[:top]]
+
+
 def train(
     data: Path | str,
     out: Path | str,
     *,
     extra_train: list[Path] | None = None,
-    epochs: int = 40,
-    windows_per_epoch: int = 2048,
-    window: int = 256,
+    extra_weight: float = 20.0,
+    epochs: int = 60,
+    windows_per_epoch: int = 4096,
+    window: int = 192,
     batch: int = 64,
-    lr: float = 2e-3,
+    lr: float = 3e-3,
     pos_weight: float = 2.0,
-    patience: int = 8,
+    focus: float = 0.4,
+    hard_share: float = 0.2,
+    mine_every: int = 3,
+    patience: int = 12,
     max_minutes: float = 25.0,
     max_false_alarms: float = 0.015,
     seed: int = 0,
     cfg: NetConfig | None = None,
+    cache: Path | str = "data/cache",
     log: Any = print,
+    progress: bool = True,
 ) -> dict[str, Any]:
+    """Fit the network; keep the epoch whose best validated rule catches the most OOM traces
+    30 s ahead (then 10 s ahead) with at most ``max_false_alarms`` of the OOM-free traces
+    alerted. ``extra_train`` are folders or trace files of real traces; their samples are
+    drawn ``extra_weight`` times as often as simulated ones, since there are few of them."""
+    from tqdm import tqdm
+
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     data, out = Path(data), Path(out)
-    cache = Path("data/cache")
     train_seqs = load_folder(data / "train", cache)
-    for folder in extra_train or []:
-        train_seqs += load_folder(folder, cache)
+    weights = [1.0] * len(train_seqs)
+    extra_paths: list[Path] = []
+    for item in extra_train or []:
+        extra_paths += find_traces(item) if Path(item).is_dir() else [Path(item)]
+    if extra_paths:
+        extra = load_paths(extra_paths, cache)
+        train_seqs += extra
+        weights += [extra_weight] * len(extra)
     val_seqs = load_folder(data / "val", cache)
     cfg = cfg or NetConfig()
     net = OOMForecastNet(cfg)
     mean, std = normalization(train_seqs)
     net.set_normalization(torch.from_numpy(mean), torch.from_numpy(std))
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=1e-4)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)
+    steps_per_epoch = -(-windows_per_epoch // batch)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=lr, total_steps=epochs * steps_per_epoch, pct_start=0.1
+    )
+    log(
+        f"training on {len(train_seqs)} sequences ({len(extra_paths)} real traces weighted"
+        f" x{extra_weight:g}), validating on {len(val_seqs)}; {epochs} epochs of"
+        f" {windows_per_epoch} windows of {window} samples, at most {max_minutes:g} min"
+    )
     started = time.monotonic()
     best: dict[str, Any] | None = None
     stale = 0
     history = []
+    hard: list[tuple[int, int]] = []
+    rule: Rule | None = None
     for epoch in range(1, epochs + 1):
         net.train()
-        xs, ys, ms, _ = sample_windows(train_seqs, windows_per_epoch, window, rng)
+        if rule is not None and mine_every and epoch % mine_every == 0:
+            hard = hard_moments(net, train_seqs, rule)
+            net.train()
+        xs, ys, ms, _ = sample_windows(
+            train_seqs,
+            windows_per_epoch,
+            window,
+            rng,
+            focus=focus,
+            weights=np.asarray(weights),
+            hard=hard,
+            hard_share=hard_share if hard else 0.0,
+        )
         losses = []
-        for a in range(0, windows_per_epoch, batch):
+        bar = tqdm(
+            range(0, windows_per_epoch, batch),
+            desc=f"epoch {epoch}/{epochs}",
+            unit="batch",
+            leave=False,
+            disable=not progress,
+        )
+        for a in bar:
             x = torch.from_numpy(xs[a : a + batch])
             log_s, _ = net.log_survival(x)
             loss = survival_loss(
@@ -147,18 +222,22 @@ def train(
             loss.backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
             opt.step()
+            sched.step()
             losses.append(loss.item())
-        sched.step()
+            bar.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}")
         rule = best_rule(score_rules(val_seqs, predict_sequences(net, val_seqs)), max_false_alarms)
         elapsed = (time.monotonic() - started) / 60
-        history.append({"epoch": epoch, "loss": float(np.mean(losses)), **rule.__dict__})
+        history.append(
+            {"epoch": epoch, "loss": float(np.mean(losses)), "minutes": elapsed, **rule.__dict__}
+        )
         log(
             f"epoch {epoch:3d}/{epochs}  loss {np.mean(losses):.4f}  val: recall@30s"
             f" {rule.recall_30:.1%} recall@10s {rule.recall_10:.1%} false alarms"
             f" {rule.false_alarm_rate:.1%} (risk@{rule.horizon_s}s >= {rule.threshold})"
             f"  {elapsed:.1f} min"
         )
-        score = (rule.recall_30, rule.recall_10, -rule.false_alarm_rate)
+        ok = rule.false_alarm_rate <= max_false_alarms
+        score = (ok, rule.recall_30, rule.recall_10, -rule.false_alarm_rate)
         if best is None or score > best["score"]:
             best = {
                 "score": score,
@@ -167,6 +246,8 @@ def train(
                 "state": {k: v.clone() for k, v in net.state_dict().items()},
             }
             stale = 0
+            # the best so far, on disk at once: a long run can be looked at before it ends
+            save_checkpoint(out / "best.pt", net, rule, epoch=epoch, seed=seed)
         else:
             stale += 1
         if stale >= patience or elapsed > max_minutes:
@@ -183,7 +264,7 @@ def train(
         seed=seed,
         data={
             "sim": str(data),
-            "extra_train": [str(p) for p in extra_train or []],
+            "extra_train": [str(p) for p in extra_paths],
             "train_sequences": len(train_seqs),
             "val_sequences": len(val_seqs),
         },

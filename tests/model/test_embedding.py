@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -12,8 +13,10 @@ from oomcast.model.embedding import (
     INSTANT_FEATURES,
     N_FEATURES,
     N_INSTANT,
+    TIME_TO_FULL_CAP_S,
     EmbeddingState,
     embed,
+    time_to_full,
 )
 from oomcast.model.schema import Sample
 
@@ -57,7 +60,7 @@ def feat(vec: list[float], name: str) -> float:
 
 
 def test_feature_names_are_unique_and_counted() -> None:
-    assert len(set(FEATURES)) == len(FEATURES) == N_FEATURES == 18
+    assert len(set(FEATURES)) == len(FEATURES) == N_FEATURES == 25
     assert FEATURES[:N_INSTANT] == INSTANT_FEATURES
     assert isinstance(EMBEDDING_VERSION, int)
 
@@ -239,12 +242,99 @@ def test_context_features_follow_the_history() -> None:
         for t in range(0, 600, 2)
     ]
     last = vecs[-1]
-    # a steady 0.1%/s climb: both trends converge on it, the fast one sooner
+    # a steady 0.1%/s climb: both trends converge on it, the fast one sooner (after 600 s
+    # the slow one has 1 - (360 e^(-600/360) - 60 e^(-10)) / 300 of it)
     assert feat(last, "trend_30s_pct_per_s") == pytest.approx(0.1, rel=1e-3)
-    assert feat(last, "trend_300s_pct_per_s") == pytest.approx(0.1, rel=0.15)
+    slow_share = 1 - (360 * math.exp(-598 / 360) - 60 * math.exp(-598 / 60)) / 300
+    assert feat(last, "trend_300s_pct_per_s") == pytest.approx(0.1 * slow_share, rel=0.02)
     assert feat(vecs[10], "trend_30s_pct_per_s") > feat(vecs[10], "trend_300s_pct_per_s")
     assert feat(last, "recent_peak_frac") == pytest.approx(0.6 + 0.598)
     assert feat(last, "log1p_age_s") == pytest.approx(math.log1p(598))
     # a drop: the recent peak decays with a 300 s time constant instead of vanishing
     after = state.embed(smp(T0 + 900, used=0.2, peak=0.2))
     assert feat(after, "recent_peak_frac") == pytest.approx(1.198 * math.exp(-302 / 300))
+
+
+def test_time_to_full_is_what_a_linear_forecast_would_say_on_a_log_scale() -> None:
+    cap = math.log1p(TIME_TO_FULL_CAP_S)
+    assert time_to_full(0.3, 1.0) == pytest.approx(math.log1p(30.0) / cap)
+    assert time_to_full(0.0, 1.0) == 0.0
+    assert time_to_full(-0.1, 0.0) == 0.0  # over capacity already
+    assert time_to_full(0.5, 0.0) == 1.0  # not growing: never
+    assert time_to_full(0.5, -2.0) == 1.0
+    assert time_to_full(0.9, 1e-4) == 1.0  # capped at an hour
+    assert time_to_full(0.2, 2.0) < time_to_full(0.2, 1.0) < time_to_full(0.4, 1.0)
+
+
+def test_a_steady_climb_gives_a_shrinking_time_to_full() -> None:
+    state = EmbeddingState()
+    vecs = [state.embed(smp(T0 + t, used=0.3 + 0.001 * t)) for t in range(0, 600, 2)]
+    # 0.1 %/s with 1 - 0.898 left at the end: about 102 s to full
+    assert feat(vecs[-1], "time_to_full_30s") == pytest.approx(
+        math.log1p(102.0) / math.log1p(TIME_TO_FULL_CAP_S), rel=0.02
+    )
+    ttf = [feat(v, "time_to_full_30s") for v in vecs[50:]]
+    assert all(b <= a + 1e-9 for a, b in itertools.pairwise(ttf))
+
+
+def test_growing_spikes_raise_the_high_water_mark_and_flat_ones_do_not() -> None:
+    def run(growth: float) -> list[float]:
+        state = EmbeddingState()
+        vec: list[float] = []
+        for t in range(0, 1200):
+            spike = t % 100 == 50
+            peak = 0.6 + (0.1 + growth * (t // 100) if spike else 0.0)
+            vec = state.embed(smp(T0 + t, used=0.6, peak=peak))
+        return vec
+
+    flat, growing = run(0.0), run(0.02)
+    assert feat(flat, "max_peak_frac") == pytest.approx(0.7)
+    assert feat(growing, "max_peak_frac") == pytest.approx(0.7 + 0.02 * 11)
+    # flat spikes set their high once, 1150 s ago: the rise has decayed to almost nothing
+    assert feat(flat, "max_peak_rise_300s_pct_per_s") < 0.001
+    assert feat(growing, "max_peak_rise_300s_pct_per_s") > 0.002
+    assert feat(flat, "time_to_full_max_peak") == 1.0
+    assert feat(growing, "time_to_full_max_peak") < 1.0
+    # the average is the same in both: only the peaks tell them apart
+    assert feat(flat, "used_frac") == feat(growing, "used_frac")
+
+
+def test_trends_do_not_depend_on_the_sampling_interval_or_a_sawtooth() -> None:
+    def climb(interval: float, saw: float) -> list[float]:
+        state = EmbeddingState()
+        vec: list[float] = []
+        n = int(2400 / interval)  # long enough for the start's offset to wear off
+        for i in range(n):
+            t = i * interval
+            wobble = saw if i % 2 else -saw  # a step's forward/backward swing
+            vec = state.embed(smp(T0 + t, used=0.3 + 0.0005 * t + wobble))
+        return vec
+
+    ref = feat(climb(1.0, 0.0), "trend_300s_pct_per_s")
+    assert ref == pytest.approx(0.05, rel=0.01)
+    for interval, saw in ((0.1, 0.05), (2.0, 0.0), (0.25, 0.1)):
+        got = climb(interval, saw)
+        assert feat(got, "trend_300s_pct_per_s") == pytest.approx(ref, rel=0.05)
+        assert feat(got, "trend_30s_pct_per_s") == pytest.approx(0.05, abs=0.02)
+
+
+def test_allocated_has_its_own_trend_and_time_to_full() -> None:
+    state = EmbeddingState()
+    # the allocator keeps 95% reserved (and used) while tensors creep up 0.02%/s
+    vecs = [
+        state.embed(smp(T0 + t, used=0.95, reserved=0.94, allocated=0.5 + 0.0002 * t))
+        for t in range(0, 1800, 2)
+    ]
+    last = vecs[-1]
+    assert feat(last, "trend_300s_pct_per_s") == pytest.approx(0.0, abs=1e-6)
+    assert feat(last, "allocated_trend_300s_pct_per_s") == pytest.approx(0.02, rel=0.05)
+    left_s = (1 - (0.5 + 0.0002 * 1798)) * 100 / 0.02
+    assert feat(last, "time_to_full_allocated_300s") == pytest.approx(
+        math.log1p(left_s) / math.log1p(TIME_TO_FULL_CAP_S), rel=0.03
+    )
+    # without allocated: no trend, never full, and the mask says why
+    bare = EmbeddingState()
+    v = [bare.embed(smp(T0 + t, used=0.5 + 0.001 * t)) for t in range(0, 100, 2)][-1]
+    assert feat(v, "allocated_trend_300s_pct_per_s") == 0.0
+    assert feat(v, "time_to_full_allocated_300s") == 1.0
+    assert feat(v, "allocated_present") == 0.0

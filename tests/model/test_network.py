@@ -48,3 +48,22 @@ def test_survival_loss_learns_a_simple_pattern() -> None:
     # masked entries do not count
     log_s, _ = net.log_survival(x)
     assert float(survival_loss(log_s, 1 - y, torch.zeros_like(m))) == 0.0
+
+
+def test_features_that_never_varied_in_training_cannot_explode() -> None:
+    net = OOMForecastNet(NetConfig()).eval()
+    n = net.cfg.n_features
+    std = torch.full((n,), 0.5)
+    std[2] = 0.0  # a mask that was 1 in every training sample
+    net.set_normalization(torch.ones(n), std)
+    assert net.x_scale[2] == 1.0 and net.x_scale[0] == 0.5
+    x = torch.ones(1, 3, n)
+    x[..., 2] = 0.0  # the mask off, as a source without that field sends it
+    far = x.clone()
+    far[..., 0] = 1e6  # absurdly far out of range
+    risk, _ = net(far)
+    assert torch.isfinite(risk).all()
+    # clipped at 8 scales: as far as 1e6 is the same as 1 + 8 * 0.5
+    edge = x.clone()
+    edge[..., 0] = 1 + 8 * 0.5
+    assert torch.allclose(net(edge)[0], risk)

@@ -302,3 +302,16 @@ def test_cli_missing_folder_exits_2(tmp_path: Path) -> None:
     proc = cli("--traces", str(tmp_path / "nope"), "--json")
     assert proc.returncode == 2
     assert "not a folder" in proc.stderr
+
+
+def test_cli_takes_several_folders_and_files(folder: Path, tmp_path: Path) -> None:
+    one = sorted(folder.rglob("*.jsonl*"))[0]
+    both = json.loads(cli("--traces", str(folder), "--json").stdout)
+    alone = json.loads(cli("--traces", str(one), "--json").stdout)
+    mixed = json.loads(cli("--traces", str(folder), str(one), "--json").stdout)
+    name = "threshold_0.90"
+    total = both["detectors"][name]["oom_traces"] + both["detectors"][name]["ok_traces"]
+    alone_total = alone["detectors"][name]["oom_traces"] + alone["detectors"][name]["ok_traces"]
+    assert alone_total == 1
+    mixed_d = mixed["detectors"][name]
+    assert mixed_d["oom_traces"] + mixed_d["ok_traces"] == total + 1

@@ -71,6 +71,37 @@ def test_streaming_onnx_matches_torch_on_the_whole_window(
     assert streamed.std() > 0.01  # the comparison is not between two constants
 
 
+@pytest.mark.parametrize("batch", [1, 7])
+@pytest.mark.parametrize("steps", [5, 300])
+def test_onnx_window_matches_torch_and_streaming(
+    model_file: tuple[Path, OOMForecastNet], batch: int, steps: int
+) -> None:
+    path, net = model_file
+    fc = OnnxForecaster(path)
+    seqs = [ramp(steps, f"gpu{b}", 0.001 + 0.0005 * b) for b in range(batch)]
+    x = np.stack([[st.embed(s) for s in seq] for seq, st in ((q, EmbeddingState()) for q in seqs)])
+    x = x.astype(np.float32)
+    zero = np.zeros((net.cfg.layers, batch, net.cfg.hidden), np.float32)
+    onnx_risk, h, c = fc.session.run(None, {"x": x, "h": zero, "c": zero})
+    with torch.no_grad():
+        torch_risk, (th, tc) = net(torch.from_numpy(x))
+    assert np.abs(onnx_risk - torch_risk.numpy()).max() < 1e-4
+    assert np.abs(h - th.numpy()).max() < 1e-4
+    # c is unbounded (|c| reaches the hundreds with these inflated weights): relative there
+    assert np.allclose(c, tc.numpy(), rtol=1e-5, atol=1e-4)
+    # the stateless window path of the runtime, one domain at a time, against streaming
+    states = [fc.init_state() for _ in range(batch)]
+    streamed = [[] for _ in range(batch)]  # type: ignore[var-annotated]
+    for t in range(steps):
+        for b, f in enumerate(fc.step(states, [s[t] for s in seqs])):
+            streamed[b].append([f.risk[hz] for hz in fc.horizons_s])
+    for b, seq in enumerate(seqs):
+        windowed = [[f.risk[hz] for hz in fc.horizons_s] for f in fc.window(seq)]
+        assert np.abs(np.asarray(windowed) - np.asarray(streamed[b])).max() < 1e-4
+        assert np.abs(np.asarray(windowed) - onnx_risk[b]).max() < 1e-4
+    assert onnx_risk.std() > 0.01
+
+
 def test_node_embeddings_are_used_when_given(model_file: tuple[Path, OOMForecastNet]) -> None:
     path, _ = model_file
     fc = OnnxForecaster(path)

@@ -16,13 +16,17 @@ def predict(body: SamplesBody, ctx: Ctx) -> dict[str, Any]:
     """Forecast one domain from its recent samples (stateless: live state is not touched)."""
     samples = parse_samples(body.samples, limit=ctx.settings.max_predict_samples, one_domain=True)
     forecaster = ctx.detector.forecaster
-    state = forecaster.init_state()
     forecast = None
-    try:
-        for sample in samples:
-            forecast = forecaster.step([state], [sample])[0]
-    finally:
-        release_state(forecaster, state)
+    window = getattr(forecaster, "window", None)
+    if window is not None:  # the model: the whole window in one call
+        forecast = window(samples)[-1]
+    else:  # a baseline steps through the window
+        state = forecaster.init_state()
+        try:
+            for sample in samples:
+                forecast = forecaster.step([state], [sample])[0]
+        finally:
+            release_state(forecaster, state)
     assert forecast is not None
     return {
         "risk": {str(h): round(p, 6) for h, p in forecast.risk.items()},

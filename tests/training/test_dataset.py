@@ -1,0 +1,111 @@
+"""training/dataset.py: labels, masks, the host split, caching and window sampling."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from support import leak_trace, steady_trace, write
+
+from oomcast.model.embedding import N_FEATURES
+from oomcast.model.forecast import HORIZONS_S
+from oomcast.training.dataset import (
+    host_split,
+    load_folder,
+    load_paths,
+    sample_windows,
+    sequences_of,
+)
+
+HOST = Path(__file__).resolve().parents[2] / "training" / "traces" / "host"
+
+
+def test_oom_labels_say_whether_the_oom_falls_within_each_horizon(tmp_path: Path) -> None:
+    path = write(tmp_path / "leak.jsonl", leak_trace(seconds_to_oom=200, interval_s=1.0))
+    (seq,) = sequences_of(path)
+    assert seq.ooms and seq.x.shape == (200, N_FEATURES)
+    assert seq.tto[0] == pytest.approx(200) and seq.tto[-1] == pytest.approx(1)
+    for k, h in enumerate(HORIZONS_S):
+        assert np.array_equal(seq.y[:, k] == 1, seq.tto <= h)
+    assert seq.m.all()  # the OOM tells every horizon's answer
+
+
+def test_safe_traces_mask_the_horizons_that_run_past_the_end(tmp_path: Path) -> None:
+    path = write(tmp_path / "ok.jsonl", steady_trace(seconds=400, interval_s=1.0))
+    (seq,) = sequences_of(path)
+    assert not seq.ooms and not seq.y.any() and np.isinf(seq.tto).all()
+    last = len(seq.x) - 1
+    for k, h in enumerate(HORIZONS_S):
+        known = np.flatnonzero(seq.m[:, k])
+        assert known.max() == last - h  # the last h seconds could still end in an OOM
+
+
+def test_load_folder_caches_and_gives_back_the_same_arrays(tmp_path: Path) -> None:
+    folder = tmp_path / "traces"
+    write(folder / "a.jsonl", leak_trace(seconds_to_oom=60))
+    write(folder / "b.jsonl", steady_trace(seconds=90, device="gpu1"))
+    cache = tmp_path / "cache"
+    first = load_folder(folder, cache, workers=1)
+    assert len(list(cache.glob("*.npz"))) == 1
+    again = load_folder(folder, cache)
+    assert [s.name for s in again] == [s.name for s in first]
+    for a, b in zip(first, again, strict=True):
+        assert np.array_equal(a.x, b.x) and np.array_equal(a.m, b.m) and a.ooms == b.ooms
+    with pytest.raises(FileNotFoundError, match="not a folder of traces"):
+        load_folder(tmp_path / "empty-does-not-exist", cache)
+    with pytest.raises(FileNotFoundError, match="no traces given"):
+        load_paths([], cache)
+
+
+def test_host_split_halves_the_recorded_runs_by_seed() -> None:
+    train, test = host_split(HOST)
+    runs = json.loads((HOST / "manifest.json").read_text())["runs"]
+    assert len(train) + len(test) == len(runs) and not set(train) & set(test)
+    assert all(p.is_file() for p in train + test)
+    seeds = {r["file"]: r["seed"] for r in runs}
+    assert all(seeds[p.name] % 2 == 0 for p in train)
+    oom = {r["file"]: r["oom"] for r in runs}
+    # both halves hold kernel OOM kills and near misses
+    for half in (train, test):
+        assert any(oom[p.name] for p in half) and not all(oom[p.name] for p in half)
+
+
+@pytest.fixture(scope="module")
+def seqs(tmp_path_factory: pytest.TempPathFactory) -> list:  # type: ignore[type-arg]
+    folder = tmp_path_factory.mktemp("traces")
+    write(folder / "leak.jsonl", leak_trace(seconds_to_oom=900, device="gpu0"))
+    write(folder / "ok1.jsonl", steady_trace(seconds=900, device="gpu1"))
+    write(folder / "ok2.jsonl", steady_trace(seconds=900, device="gpu2", level=0.5))
+    return load_folder(folder, None, workers=1)
+
+
+def test_focused_windows_end_in_the_last_five_minutes_before_the_oom(seqs: list) -> None:  # type: ignore[type-arg]
+    rng = np.random.default_rng(0)
+    xs, ys, ms, _ = sample_windows(seqs, 64, 50, rng, focus=1.0)
+    assert xs.shape == (64, 50, N_FEATURES) and ys.shape == ms.shape == (64, 50, len(HORIZONS_S))
+    # every window's last real sample is less than 300 s before the leak's OOM: its
+    # longest-horizon label is 1
+    for k in range(64):
+        last = int(np.flatnonzero(np.abs(xs[k]).sum(axis=1) > 0).max())
+        assert ys[k, last, -1] == 1.0
+
+
+def test_weights_and_hard_moments_steer_the_sampling(seqs: list) -> None:  # type: ignore[type-arg]
+    ok = [i for i, s in enumerate(seqs) if not s.ooms]
+    rng = np.random.default_rng(1)
+    # only the weighted sequence is drawn when the others weigh nothing
+    w = np.zeros(len(seqs))
+    w[ok[0]] = 1.0
+    xs, ys, _, _ = sample_windows(seqs, 32, 40, rng, focus=0.0, weights=w)
+    assert not ys.any()
+    level = seqs[ok[0]].x[:, 0]
+    for k in range(32):
+        real = xs[k][np.abs(xs[k]).sum(axis=1) > 0, 0]
+        assert np.isin(real, level).all()
+    # hard moments: windows end within a few samples after the given moment
+    hard = [(ok[1], 500)]
+    xs, _, _, _ = sample_windows(seqs, 16, 40, rng, focus=0.0, hard=hard, hard_share=1.0)
+    target = seqs[ok[1]].x[500]
+    assert all((xs[k] == target).all(axis=1).any() for k in range(16))

@@ -104,16 +104,20 @@ def risk_from_time_to_oom(
 
 @dataclass(frozen=True)
 class AlertRule:
-    """When a forecast counts as an alert: risk at ``horizon_s`` at least ``fire_risk``."""
+    """When a forecast counts as an alert: risk at ``horizon_s`` at least ``fire_risk``, on
+    ``fire_after`` consecutive samples of the domain."""
 
     horizon_s: int = 60
     fire_risk: float = 0.5
+    fire_after: int = 1
 
     def __post_init__(self) -> None:
         if self.horizon_s not in HORIZONS_S:
             raise ValueError(f"horizon_s={self.horizon_s} is not one of {HORIZONS_S}")
         if not 0.0 < self.fire_risk <= 1.0:
             raise ValueError(f"fire_risk={self.fire_risk} must be in (0, 1]")
+        if self.fire_after < 1:
+            raise ValueError(f"fire_after={self.fire_after} must be at least 1")
 
     def fires(self, forecast: Forecast) -> bool:
         return forecast.risk_at(self.horizon_s) >= self.fire_risk

@@ -35,9 +35,25 @@ class Slot:
     emb: EmbeddingState = field(default_factory=EmbeddingState)
 
 
+def _time_to_oom_row(row: list[float], horizons: tuple[float, ...]) -> float | None:
+    """``time_to_oom`` of one row in plain Python: for small batches numpy's per-call
+    overhead costs more than the arithmetic."""
+    if row[-1] < 0.5:
+        return None
+    x0, y0 = 0.0, 0.0
+    for x1, y1 in zip(horizons, row, strict=True):
+        if y1 >= 0.5:
+            return x0 + (0.5 - y0) * (x1 - x0) / max(y1 - y0, 1e-9)
+        x0, y0 = x1, y1
+    return None  # unreachable: the last risk is >= 0.5
+
+
 def times_to_oom(risk: np.ndarray, horizons: np.ndarray) -> list[float | None]:
     """``time_to_oom`` for a batch (batch, H) at once."""
     n = risk.shape[0]
+    if n <= 16:
+        hs = tuple(float(h) for h in horizons)
+        return [_time_to_oom_row(row, hs) for row in risk.tolist()]
     ys = np.concatenate([np.zeros((n, 1), risk.dtype), risk], axis=1)
     xs = np.concatenate([[0.0], horizons])
     crossed = ys >= 0.5
@@ -101,7 +117,9 @@ class OnnxForecaster:
                 f"{path} was trained on embedding v{self.embedding_version}; this oomcast"
                 f" computes v{EMBEDDING_VERSION}"
             )
-        self.rule = AlertRule(int(rule["horizon_s"]), float(rule["threshold"]))
+        self.rule = AlertRule(
+            int(rule["horizon_s"]), float(rule["threshold"]), int(rule.get("fire_after", 1))
+        )
         self.metadata: dict[str, Any] = {k: v for k, v in meta.items()}
         self.provider = self.session.get_providers()[0]
         self.path = path
@@ -140,19 +158,21 @@ class OnnxForecaster:
         width = self._n_features
         if embeddings is not None and all(e is not None and len(e) == width for e in embeddings):
             x = np.asarray(embeddings, dtype=np.float32)  # the node's: the hot path
-            for st, sample in zip(states, samples, strict=True):
-                st.emb.prev = sample  # keeps the local embedding able to take over
         else:
+            # Computed here for the samples that came without a usable embedding. A domain
+            # whose node stops sending one starts its local history afresh at that sample.
             rows = []
             for i, (st, sample) in enumerate(zip(states, samples, strict=True)):
                 given = embeddings[i] if embeddings is not None else None
-                if given is not None and len(given) == width:
-                    st.emb.prev = sample
-                    rows.append(given)
-                else:
-                    rows.append(st.emb.embed(sample))
+                rows.append(
+                    given if given is not None and len(given) == width else st.emb.embed(sample)
+                )
             x = np.asarray(rows, dtype=np.float32)
-        idx = np.fromiter((st.index for st in states), dtype=np.intp, count=n)
+        if n == 1:  # one domain (POST /v1/samples, a quiet node): a view, no gather
+            i = states[0].index
+            idx: slice | np.ndarray = slice(i, i + 1)
+        else:
+            idx = np.fromiter((st.index for st in states), dtype=np.intp, count=n)
         risk, h, c = self.session.run(
             None, {"x": x[:, None, :], "h": self._h[:, idx], "c": self._c[:, idx]}
         )
@@ -162,8 +182,9 @@ class OnnxForecaster:
         ttos = times_to_oom(risk, self._horizons)
         index = self._index
         version = self.version
+        new, cls = tuple.__new__, Forecast  # Forecast(...) without its Python-level __new__
         return [
-            Forecast(RiskRow(index, row), tto, sample.ts, version)
+            new(cls, (RiskRow(index, row), tto, sample.ts, version))
             for row, tto, sample in zip(risk.tolist(), ttos, samples, strict=True)
         ]
 

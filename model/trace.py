@@ -87,6 +87,12 @@ class Trace:
         times = [e.ts for e in self.events if e.event == "oom" and e.domain == domain]
         return min(times) if times else None
 
+    def exit_ts(self, domain: Domain) -> float | None:
+        """ts of the domain's job ending normally (an ``exit`` event), or None. After a
+        normal exit nothing can OOM: a trace that has one says how its job's story ended."""
+        times = [e.ts for e in self.events if e.event == "exit" and e.domain == domain]
+        return min(times) if times else None
+
     @property
     def ooms(self) -> bool:
         return any(e.event == "oom" for e in self.events)

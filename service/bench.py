@@ -63,18 +63,25 @@ def _samples(n: int, t: int) -> list[Sample]:
     ]
 
 
-def bench_inference(model: str | None = None, seconds: float = 2.0) -> dict[str, Any]:
+def bench_inference(
+    model: str | None = None,
+    seconds: float = 2.0,
+    sizes: tuple[int, ...] = (1, 100, 5000),
+    window_runs: int = 100,
+) -> dict[str, Any]:
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     if cores:
         os.sched_setaffinity(0, {min(cores)})  # one core
     try:
-        return _bench(model, seconds)
+        return _bench(model, seconds, sizes, window_runs)
     finally:
         if cores:
             os.sched_setaffinity(0, cores)
 
 
-def _bench(model: str | None, seconds: float) -> dict[str, Any]:
+def _bench(
+    model: str | None, seconds: float, sizes: tuple[int, ...], window_runs: int
+) -> dict[str, Any]:
     path, weights = _model(model)
     fc = OnnxForecaster(path, providers=["CPUExecutionProvider"], threads=1)
     out: dict[str, Any] = {
@@ -83,7 +90,7 @@ def _bench(model: str | None, seconds: float) -> dict[str, Any]:
         "provider": fc.provider,
         "cores": 1,
     }
-    for n in (1, 100, 5000):
+    for n in sizes:
         states = [fc.init_state() for _ in range(n)]
         steps = [_samples(n, t) for t in range(4)]
         embs = []
@@ -120,7 +127,7 @@ def _bench(model: str | None, seconds: float) -> dict[str, Any]:
         ("window_stepped", lambda: _stepped(fc, window)),
     ):
         lat = []
-        for _ in range(100):
+        for _ in range(window_runs):
             t0 = time.perf_counter()
             run()
             lat.append((time.perf_counter() - t0) * 1000)

@@ -66,7 +66,7 @@ def alert_policy(settings: Settings, choice: Choice) -> AlertPolicy:
     if choice.kind == "model" and not {"alert_horizon_s", "alert_fire_risk"} & chosen:
         horizon, fire = choice.detector.rule.horizon_s, choice.detector.rule.fire_risk
         if "alert_fire_after" not in chosen:
-            fire_after = 1  # the rule was chosen on validation as a single-sample rule
+            fire_after = choice.detector.rule.fire_after  # as validated
         if "alert_resolve_risk" not in chosen:
             resolve = round(fire / 2, 4)
     return AlertPolicy(AlertRule(horizon, fire), resolve, fire_after, settings.alert_resolve_after)

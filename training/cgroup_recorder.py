@@ -465,6 +465,13 @@ class CgroupMonitor:
                     self._mark_oom(reading.oom_kills, now)
         return self.oom
 
+    def mark_exit(self, now: float | None = None) -> None:
+        """The job ended by itself, without an OOM: an ``exit`` event, so training knows that
+        nothing followed (a trace that merely stops says nothing about what came after)."""
+        self.records.append(
+            Event(ts=self._ts(now), node=self.node, device=self.device, event="exit", job=self.job)
+        )
+
     def _mark_oom(self, kills: int, now: float | None) -> None:
         ts = self._ts(now)
         self.oom_ts = ts
@@ -570,7 +577,8 @@ def record(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        monitor.finish()
+        if not monitor.finish() and not timed_out and proc.returncode == 0:
+            monitor.mark_exit()
         duration = time.time() - started
     finally:
         if pidfd is not None:

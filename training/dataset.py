@@ -3,7 +3,8 @@
 For a sample at ``ts`` of a domain that OOMs at ``T``, the label at horizon ``h`` is
 ``T - ts <= h``. For a domain that never OOMs, the label is 0 only where the trace runs at
 least ``h`` past ``ts``; near its end the future is unknown and the entry is masked out,
-so the model is not taught that every trace's last minutes are safe.
+so the model is not taught that every trace's last minutes are safe, unless the trace says
+the job ended normally (an ``exit`` event): then every label up to the exit is a known 0.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def sequences_of(path: Path) -> list[Sequence]:
     out = []
     for domain, all_samples in trace.samples.items():
         oom_ts = trace.oom_ts(domain)
-        # what follows the OOM belongs to no forecast of it
-        samples = [s for s in all_samples if oom_ts is None or s.ts <= oom_ts]
+        exit_ts = trace.exit_ts(domain) if oom_ts is None else None
+        # what follows the OOM (or the job's normal end) belongs to no forecast
+        end = oom_ts if oom_ts is not None else exit_ts
+        samples = [s for s in all_samples if end is None or s.ts <= end]
         if not samples:
             continue
         state = EmbeddingState()
@@ -56,7 +59,10 @@ def sequences_of(path: Path) -> list[Sequence]:
         else:
             tto = np.full(len(ts), np.inf)
             y = np.zeros((len(ts), len(H)), dtype=np.float32)
-            m = ((ts[-1] - ts)[:, None] >= H[None, :]).astype(np.float32)
+            if exit_ts is not None:  # the job ended normally: no OOM at any horizon
+                m = np.ones_like(y)
+            else:  # the trace just stops: the last h seconds cannot say
+                m = ((ts[-1] - ts)[:, None] >= H[None, :]).astype(np.float32)
         out.append(Sequence(f"{path.name}:{domain[1]}", x, y, m, tto, oom_ts is not None))
     return out
 
@@ -168,7 +174,7 @@ def sample_windows(
     w = np.ones(len(seqs)) if weights is None else np.asarray(weights, dtype=np.float64)
     lengths = np.asarray([len(s.x) for s in seqs], dtype=np.float64) * w
     p_any = lengths / lengths.sum()
-    oom_idx = np.asarray([i for i, s in enumerate(seqs) if s.ooms])
+    oom_idx = np.asarray([i for i, s in enumerate(seqs) if s.ooms and w[i] > 0], dtype=np.intp)
     p_oom = w[oom_idx] / w[oom_idx].sum() if len(oom_idx) else None
     for k in range(n):
         u = rng.random()

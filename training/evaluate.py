@@ -46,11 +46,13 @@ def first_alert_ts(
     """ts of the first sample (before ``until_ts``, when given) at which the detector fires."""
     fc = detector.forecaster
     state = fc.init_state()
+    run = 0  # consecutive samples at or above the rule's risk
     try:
         for sample in samples:
             if until_ts is not None and sample.ts >= until_ts:
                 return None
-            if detector.rule.fires(fc.step([state], [sample])[0]):
+            run = run + 1 if detector.rule.fires(fc.step([state], [sample])[0]) else 0
+            if run >= detector.rule.fire_after:
                 return sample.ts
         return None
     finally:

@@ -40,6 +40,12 @@ OOM_FAMILIES = (
 )
 SAFE_FAMILIES = ("steady", "plateau", "spikes")
 FAMILIES = OOM_FAMILIES + SAFE_FAMILIES
+# Families whose memory grows without bound: a run of one that ends before its OOM has not
+# escaped it, it was cut short. Such a trace is censored, not safe, so the simulator runs it
+# longer (or draws again) until it does OOM; a run of ``optimizer_state`` or ``neighbour``
+# that fits really is safe and is kept as a look-alike.
+GROWTH_FAMILIES = ("leak", "seq_growth", "fragmentation", "eval_no_grad", "checkpoint_spike")
+MAX_SAMPLES = 3000
 PHASE_SHARE = {"forward": 0.35, "backward": 0.55, "optimizer": 0.10}
 SCALED_PHASES = ("forward", "backward", "eval")  # activations grow with sequence or batch
 # Storages under 1 KiB (scalars, masks, step counters) are left out of the replay: on a GPU
@@ -126,7 +132,7 @@ def draw_params(family: str, seed: int) -> ScenarioParams:
         step_s=round(r.uniform(0.2, 2.0), 3),
         target_frac=round(target, 4),
         # at most ~3,000 samples: a 0.1 s collector gives five minutes
-        duration_s=round(min(duration, 3000 * interval), 1),
+        duration_s=round(min(duration, MAX_SAMPLES * interval), 1),
         context_mib=r.randint(300, 500),
         workspace_mib=r.choice((8, 32, 64, 128)),
         nccl_mib=r.choice((0, 0, r.randint(512, 1640))),

@@ -24,6 +24,8 @@ from oomcast.model.trace import write_trace
 from oomcast.training.capture import CAPTURES, cached_capture
 from oomcast.training.scenarios import (
     FAMILIES,
+    GROWTH_FAMILIES,
+    MAX_SAMPLES,
     OOM_FAMILIES,
     SAFE_FAMILIES,
     draw_params,
@@ -48,9 +50,9 @@ def family_for(i: int) -> str:
 def _one(job: tuple[int, int, str, str]) -> dict[str, Any]:
     i, seed, out, cache = job
     family = family_for(i)
-    params = draw_params(family, seed * 1_000_003 + i)
+    params = first = draw_params(family, seed * 1_000_003 + i)
     split = split_of(params.capture, params.gpu_gib)
-    for _ in range(8):
+    for attempt in range(1, 13):
         records, summary = simulate_scenario(
             params,
             Path(cache),
@@ -58,10 +60,19 @@ def _one(job: tuple[int, int, str, str]) -> dict[str, Any]:
             node=f"sim-{i:05d}",
             device=f"gpu{i % 8}",
         )
-        if family not in SAFE_FAMILIES or not summary["ooms"]:
+        if family in SAFE_FAMILIES and summary["ooms"]:
+            # a look-alike family must not OOM: the draw was too tight; loosen it, run again
+            params.target_frac = round(params.target_frac * 0.9, 4)
+        elif family in GROWTH_FAMILIES and not summary["ooms"]:
+            # cut short before its OOM: run it longer, up to the sample cap, then draw anew
+            cap = round(MAX_SAMPLES * params.interval_s, 1)
+            if params.duration_s < cap:
+                params.duration_s = round(min(cap, params.duration_s * 2), 1)
+            else:
+                params = draw_params(family, (seed * 1_000_003 + i) * 31 + attempt)
+                params.capture, params.gpu_gib = first.capture, first.gpu_gib  # same split
+        else:
             break
-        # a look-alike family must not OOM: the draw was too tight; loosen it, run again
-        params.target_frac = round(params.target_frac * 0.9, 4)
     name = f"{split}/{i:05d}-{family}.jsonl.gz"
     write_trace(Path(out) / name, records)
     oom = [r.ts for r in records if getattr(r, "event", None) == "oom"]

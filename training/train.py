@@ -41,6 +41,10 @@ class Rule:
     recall_30: float
     recall_10: float
     false_alarm_rate: float
+    fire_after: int = 1  # consecutive samples at or above the threshold
+
+
+FIRE_AFTER = (1, 2, 3)
 
 
 def predict_sequences(
@@ -66,38 +70,53 @@ def predict_sequences(
 
 
 def score_rules(seqs: list[Sequence], risks: list[np.ndarray]) -> list[Rule]:
-    """Recall at 30 s and 10 s and the false-alarm rate of every (horizon, threshold)."""
+    """Recall at 30 s and 10 s and the false-alarm rate of every (horizon, threshold,
+    consecutive samples), counted as ``oomcast evaluate`` counts them."""
     rules = []
     ooms = [i for i, s in enumerate(seqs) if s.ooms]
     oks = [i for i, s in enumerate(seqs) if not s.ooms]
     for k, h in enumerate(HORIZONS_S):
-        # highest risk seen so far decides whether a threshold has fired by then
         for p in THRESHOLDS:
-            caught30 = caught10 = 0
-            for i in ooms:
-                hit = np.flatnonzero(risks[i][:, k] >= p)
-                if len(hit):
-                    lead = seqs[i].tto[hit[0]]
-                    caught30 += lead >= 30
-                    caught10 += lead >= 10
-            fa = sum(1 for i in oks if (risks[i][:, k] >= p).any())
-            rules.append(
-                Rule(
-                    h,
-                    float(p),
-                    caught30 / max(1, len(ooms)),
-                    caught10 / max(1, len(ooms)),
-                    fa / max(1, len(oks)),
+            for after in FIRE_AFTER:
+                caught30 = caught10 = 0
+                for i in ooms:
+                    at = _first_run(risks[i][:, k] >= p, after)
+                    if at is not None:
+                        lead = seqs[i].tto[at]
+                        caught30 += lead >= 30
+                        caught10 += lead >= 10
+                fa = sum(1 for i in oks if _first_run(risks[i][:, k] >= p, after) is not None)
+                rules.append(
+                    Rule(
+                        h,
+                        float(p),
+                        caught30 / max(1, len(ooms)),
+                        caught10 / max(1, len(ooms)),
+                        fa / max(1, len(oks)),
+                        after,
+                    )
                 )
-            )
     return rules
+
+
+def _first_run(fired: np.ndarray, n: int) -> int | None:
+    """Index of the sample that completes the first run of ``n`` consecutive True."""
+    run = fired.copy()
+    for j in range(1, n):
+        run[j:] &= fired[:-j] if j < len(fired) else False
+        run[:j] = False
+    hit = np.flatnonzero(run)
+    return int(hit[0]) if len(hit) else None
 
 
 def best_rule(rules: list[Rule], max_false_alarms: float) -> Rule:
     ok = [r for r in rules if r.false_alarm_rate <= max_false_alarms]
     if not ok:
         return min(rules, key=lambda r: (r.false_alarm_rate, -r.recall_30))
-    return max(ok, key=lambda r: (r.recall_30, r.recall_10, -r.false_alarm_rate, r.threshold))
+    return max(
+        ok,
+        key=lambda r: (r.recall_30, r.recall_10, -r.false_alarm_rate, -r.fire_after, r.threshold),
+    )
 
 
 def hard_moments(
@@ -137,7 +156,7 @@ def train(
     focus: float = 0.4,
     hard_share: float = 0.2,
     mine_every: int = 3,
-    patience: int = 12,
+    patience: int = 30,
     max_minutes: float = 25.0,
     max_false_alarms: float = 0.015,
     seed: int = 0,
@@ -233,7 +252,8 @@ def train(
         log(
             f"epoch {epoch:3d}/{epochs}  loss {np.mean(losses):.4f}  val: recall@30s"
             f" {rule.recall_30:.1%} recall@10s {rule.recall_10:.1%} false alarms"
-            f" {rule.false_alarm_rate:.1%} (risk@{rule.horizon_s}s >= {rule.threshold})"
+            f" {rule.false_alarm_rate:.1%} (risk@{rule.horizon_s}s >= {rule.threshold}"
+            f" x{rule.fire_after})"
             f"  {elapsed:.1f} min"
         )
         ok = rule.false_alarm_rate <= max_false_alarms

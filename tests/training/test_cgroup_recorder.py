@@ -326,7 +326,7 @@ def test_real_oom_kill_is_recorded(real_root: Path, tmp_path: Path) -> None:
     assert not (real_root / Path(result["cgroup"]).name).exists()  # cleaned up
 
 
-def test_real_run_under_the_limit_has_no_event(
+def test_real_run_under_the_limit_ends_with_an_exit_event(
     real_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "ok.jsonl"
@@ -335,8 +335,13 @@ def test_real_run_under_the_limit_has_no_event(
     assert cr.main(argv) == 0
     assert "oom=False" in capsys.readouterr().err
     trace = load_trace(out)
-    assert not trace.ooms and trace.events == []
+    assert not trace.ooms
+    # the job ended by itself: one `exit` event, no OOM, after every sample
+    [exit_event] = trace.events
     [samples] = trace.samples.values()
+    assert exit_event.event == "exit" and exit_event.job == "small"
+    assert exit_event.ts >= samples[-1].ts
+    assert trace.exit_ts(exit_event.domain) == exit_event.ts
     assert len(samples) >= 3
     assert max(s.used_bytes for s in samples) >= 16 * MIB
     assert max(s.used_bytes for s in samples) < 64 * MIB

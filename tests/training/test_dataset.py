@@ -11,6 +11,7 @@ from support import leak_trace, steady_trace, write
 
 from oomcast.model.embedding import N_FEATURES
 from oomcast.model.forecast import HORIZONS_S
+from oomcast.model.schema import Event
 from oomcast.training.dataset import (
     host_split,
     load_folder,
@@ -40,6 +41,24 @@ def test_safe_traces_mask_the_horizons_that_run_past_the_end(tmp_path: Path) -> 
     for k, h in enumerate(HORIZONS_S):
         known = np.flatnonzero(seq.m[:, k])
         assert known.max() == last - h  # the last h seconds could still end in an OOM
+
+
+def test_a_normal_exit_makes_every_label_known(tmp_path: Path) -> None:
+    records = steady_trace(seconds=400, interval_s=1.0)
+    last = records[-1]
+    plain = write(tmp_path / "plain.jsonl", records)
+    ended = write(
+        tmp_path / "ended.jsonl",
+        [
+            *records,
+            Event(ts=last.ts, node=last.node, device=last.device, event="exit", job="j"),
+        ],
+    )
+    (a,) = sequences_of(plain)
+    (b,) = sequences_of(ended)
+    assert not a.m.all()  # the plain trace's end masks the long horizons
+    assert b.m.all() and not b.y.any() and not b.ooms
+    assert np.array_equal(a.x, b.x)
 
 
 def test_load_folder_caches_and_gives_back_the_same_arrays(tmp_path: Path) -> None:

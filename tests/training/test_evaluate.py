@@ -248,7 +248,9 @@ def test_cli_json_prints_one_object(folder: Path) -> None:
     result = json.loads(out)
     assert set(result) == {"detectors", "min_lead_s"}
     assert result["min_lead_s"] == 10
-    assert set(result["detectors"]) == {d.name for d in baseline_detectors()}
+    # the shipped model is scored first, beside every baseline
+    assert next(iter(result["detectors"])) == "model"
+    assert set(result["detectors"]) == {"model"} | {d.name for d in baseline_detectors()}
     for name, s in result["detectors"].items():
         assert set(s) == KEYS, name
         assert s["oom_traces"] == 3

@@ -12,7 +12,7 @@ from support import sample
 
 from oomcast.model.embedding import EmbeddingState
 from oomcast.model.network import NetConfig, OOMForecastNet
-from oomcast.model.runtime import ModelLoadError, OnnxForecaster, time_to_oom
+from oomcast.model.runtime import ModelLoadError, OnnxForecaster, time_to_oom, times_to_oom
 from oomcast.training.export import export
 from oomcast.training.train import Rule, save_checkpoint
 
@@ -158,3 +158,17 @@ def test_time_to_oom_reads_the_median_off_the_risk_curve() -> None:
     assert time_to_oom(np.asarray([0.1, 0.2, 0.3, 0.4, 0.45, 0.49]), h) is None
     assert time_to_oom(np.asarray([0.1, 0.2, 0.4, 0.6, 0.9, 1.0]), h) == pytest.approx(45.0)
     assert time_to_oom(np.asarray([0.8, 0.9, 1, 1, 1, 1]), h) == pytest.approx(5 * 0.5 / 0.8)
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 300])
+def test_batched_time_to_oom_agrees_with_one_row_at_a_time(n: int) -> None:
+    h = np.asarray([5, 15, 30, 60, 120, 300], dtype=float)
+    rng = np.random.default_rng(n)
+    risk = np.sort(rng.random((n, 6)), axis=1).astype(np.float32)
+    risk[0] = [0.1, 0.2, 0.3, 0.4, 0.45, 0.49]  # never reaches one half
+    got = times_to_oom(risk, h)
+    for row, t in zip(risk, got, strict=True):
+        want = time_to_oom(row.astype(np.float64), h)
+        assert (t is None) == (want is None)
+        if t is not None:
+            assert t == pytest.approx(want, rel=1e-5)

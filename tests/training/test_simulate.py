@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from oomcast.model.trace import find_traces, load_trace
+from oomcast.training.scenarios import GROWTH_FAMILIES, SAFE_FAMILIES
 from oomcast.training.simulate import SPLITS, simulate, split_of
 
 
@@ -35,8 +36,11 @@ def test_simulate_writes_split_labelled_traces(tmp_path: Path) -> None:
         assert (tmp_path / "a" / e["file"]).read_bytes() == (
             tmp_path / "b" / e["file"]
         ).read_bytes()
-    safe = [e for e in entries if e["family"] in ("steady", "plateau", "spikes")]
+    safe = [e for e in entries if e["family"] in SAFE_FAMILIES]
     assert safe and not any(e["ooms"] for e in safe)
+    # a family that grows without bound is never cut short before its OOM
+    growing = [e for e in entries if e["family"] in GROWTH_FAMILIES]
+    assert growing and all(e["ooms"] for e in growing)
     with pytest.raises(FileExistsError, match="--overwrite"):
         simulate(tmp_path / "b", n=3, seed=5, workers=1, cache_dir=cache)
     simulate(tmp_path / "b", n=3, seed=5, workers=1, cache_dir=cache, overwrite=True)

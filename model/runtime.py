@@ -143,6 +143,8 @@ class OnnxForecaster:
         return Slot(index)
 
     def release(self, state: Slot) -> None:
+        if state.index in self._free:  # a second release would give one slot to two domains
+            raise ValueError(f"state slot {state.index} released twice")
         self._free.append(state.index)
 
     # -- inference ------------------------------------------------------------------------

@@ -149,6 +149,12 @@ class LiveState:
                     )
                     result.rejected.append((sample, problem))
                 continue
+            if sample.job is not None and st.job is not None and sample.job != st.job:
+                # Another job on the same device: its history is not this one's. The node
+                # agent restarts its embedding here too; samples that come over HTTP have
+                # their embedding computed in this state, so it must restart the same way.
+                release_state(self.forecaster, st.forecaster_state)
+                st.forecaster_state = self.forecaster.init_state()
             st.last = sample
             batch.append((st, sample, emb))
         if not batch:

@@ -101,6 +101,7 @@ def load_paths(
         + f"v{EMBEDDING_VERSION}".encode()
         # the embedding's own code: a changed feature must never be read from an old cache
         + hashlib.sha1(Path(embedding_module.__file__).read_bytes()).digest()
+        + hashlib.sha1(Path(__file__).read_bytes()).digest()  # and the labelling
     ).hexdigest()[:16]
     cache = Path(cache_dir) / f"seq-{key}.npz" if cache_dir else None
     if cache is not None and cache.exists():

@@ -19,6 +19,7 @@ import numpy as np
 
 from oomcast.model.runtime import OnnxForecaster
 from oomcast.model.trace import find_traces, load_trace
+from oomcast.training.train import first_run
 
 
 @dataclass
@@ -48,37 +49,42 @@ def trace_risks(fc: OnnxForecaster, paths: list[Path], families: dict[str, str])
     return out
 
 
-def lead_of(tr: TraceRisk, k: int, threshold: float) -> float | None:
-    """The model's lead on an OOM trace (None: no alert before the OOM), as evaluate counts it."""
+def lead_of(tr: TraceRisk, k: int, threshold: float, fire_after: int = 1) -> float | None:
+    """The model's lead on an OOM trace (None: no alert before the OOM), as evaluate counts it:
+    the alert is the sample completing ``fire_after`` consecutive samples at the threshold."""
     best = None
     for ts, risk, oom in tr.domains:
         if oom is None:
             continue
-        hit = np.flatnonzero(risk[:, k] >= threshold)
-        if len(hit):
-            lead = oom - ts[hit[0]]
+        at = first_run(risk[:, k] >= threshold, fire_after)
+        if at is not None:
+            lead = oom - ts[at]
             best = lead if best is None else max(best, lead)
     return best
 
 
-def alarmed(tr: TraceRisk, k: int, threshold: float) -> bool:
-    return any((risk[:, k] >= threshold).any() for _, risk, _ in tr.domains)
+def alarmed(tr: TraceRisk, k: int, threshold: float, fire_after: int = 1) -> bool:
+    return any(
+        first_run(risk[:, k] >= threshold, fire_after) is not None for _, risk, _ in tr.domains
+    )
 
 
-def family_table(trs: list[TraceRisk], k: int, threshold: float) -> list[dict[str, Any]]:
+def family_table(
+    trs: list[TraceRisk], k: int, threshold: float, fire_after: int = 1
+) -> list[dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = defaultdict(
         lambda: {"oom": 0, "lead10": 0, "lead30": 0, "ok": 0, "false_alarms": 0}
     )
     for tr in trs:
         row = rows[tr.family]
         if tr.ooms:
-            lead = lead_of(tr, k, threshold)
+            lead = lead_of(tr, k, threshold, fire_after)
             row["oom"] += 1
-            row["lead10"] += lead is not None and lead >= 10
-            row["lead30"] += lead is not None and lead >= 30
+            row["lead10"] += int(lead is not None and lead >= 10)
+            row["lead30"] += int(lead is not None and lead >= 30)
         else:
             row["ok"] += 1
-            row["false_alarms"] += alarmed(tr, k, threshold)
+            row["false_alarms"] += int(alarmed(tr, k, threshold, fire_after))
     return [{"family": f, **rows[f]} for f in sorted(rows)]
 
 
@@ -117,6 +123,7 @@ def plot(
     k: int,
     threshold: float,
     out_dir: Path,
+    fire_after: int = 1,
 ) -> list[Path]:
     import matplotlib
 
@@ -130,7 +137,7 @@ def plot(
     # 1. lead-time distribution on OOM traces
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for label, trs in (("simulated test split", sim), ("recorded host traces", host)):
-        leads = [lead_of(t, k, threshold) for t in trs if t.ooms]
+        leads = [lead_of(t, k, threshold, fire_after) for t in trs if t.ooms]
         caught = [v for v in leads if v is not None]
         ax.hist(
             np.clip(caught, 0, 600),
@@ -212,6 +219,7 @@ def build(
     fc = OnnxForecaster(model)
     k = list(fc.horizons_s).index(fc.rule.horizon_s)
     thr = fc.rule.fire_risk
+    after = fc.rule.fire_after
     manifest = json.loads((Path(sim_test).parent / "manifest.json").read_text())
     fams = {Path(r["file"]).name: r["family"] for r in manifest["traces"]}
     runs = json.loads((Path(host_dir) / "manifest.json").read_text())["runs"]
@@ -220,13 +228,13 @@ def build(
     _, held_out = host_split(host_dir)
     host = trace_risks(fc, find_traces(host_dir), fams)
     held = {p.name for p in held_out}
-    figures = plot(fc, sim, host, k, thr, Path(out_dir))
-    leads = [v for t in sim if t.ooms and (v := lead_of(t, k, thr)) is not None]
+    figures = plot(fc, sim, host, k, thr, Path(out_dir), after)
+    leads = [v for t in sim if t.ooms and (v := lead_of(t, k, thr, after)) is not None]
     return {
-        "rule": {"horizon_s": fc.rule.horizon_s, "fire_risk": thr},
-        "sim_families": family_table(sim, k, thr),
-        "host_families": family_table(host, k, thr),
-        "host_held_out": family_table([t for t in host if t.name in held], k, thr),
+        "rule": {"horizon_s": fc.rule.horizon_s, "fire_risk": thr, "fire_after": after},
+        "sim_families": family_table(sim, k, thr, after),
+        "host_families": family_table(host, k, thr, after),
+        "host_held_out": family_table([t for t in host if t.name in held], k, thr, after),
         "sim_median_lead_s": statistics.median(leads) if leads else None,
         "calibration": {str(h): v for h, v in calibration(sim, fc.horizons_s).items()},
         "figures": [str(p) for p in figures],

@@ -80,12 +80,12 @@ def score_rules(seqs: list[Sequence], risks: list[np.ndarray]) -> list[Rule]:
             for after in FIRE_AFTER:
                 caught30 = caught10 = 0
                 for i in ooms:
-                    at = _first_run(risks[i][:, k] >= p, after)
+                    at = first_run(risks[i][:, k] >= p, after)
                     if at is not None:
                         lead = seqs[i].tto[at]
                         caught30 += lead >= 30
                         caught10 += lead >= 10
-                fa = sum(1 for i in oks if _first_run(risks[i][:, k] >= p, after) is not None)
+                fa = sum(1 for i in oks if first_run(risks[i][:, k] >= p, after) is not None)
                 rules.append(
                     Rule(
                         h,
@@ -99,7 +99,7 @@ def score_rules(seqs: list[Sequence], risks: list[np.ndarray]) -> list[Rule]:
     return rules
 
 
-def _first_run(fired: np.ndarray, n: int) -> int | None:
+def first_run(fired: np.ndarray, n: int) -> int | None:
     """Index of the sample that completes the first run of ``n`` consecutive True."""
     run = fired.copy()
     for j in range(1, n):
@@ -336,4 +336,12 @@ def load_checkpoint(path: Path | str) -> tuple[OOMForecastNet, dict[str, Any]]:
     return net, ckpt
 
 
-__all__ = ["Rule", "best_rule", "load_checkpoint", "predict_sequences", "score_rules", "train"]
+__all__ = [
+    "Rule",
+    "best_rule",
+    "first_run",
+    "load_checkpoint",
+    "predict_sequences",
+    "score_rules",
+    "train",
+]

@@ -1,7 +1,7 @@
 """The shipped model through the real pipeline: `oomcast serve` with its default forecaster
 (the model), `oomcast collect --source replay`, the real Redis and a real webhook receiver.
 
-The trace is a held-out simulated run (``tests/data/``, from the test split: never trained
+The trace is a held-out simulated run (``tests/fixtures/``, from the test split: never trained
 on). The model's webhook must come earlier than the first alert of any baseline that keeps
 quiet on at least half of the OOM-free test traces; the others (plain predict_linear) also
 fire on nearly every healthy job's start-up, so being earlier than them proves nothing.
@@ -23,7 +23,7 @@ from oomcast.model.runtime import DEFAULT_MODEL
 from oomcast.model.trace import load_trace
 from oomcast.training.evaluate import first_alert_ts
 
-TRACE = Path(__file__).resolve().parents[1] / "data" / "sim-test-oom.jsonl.gz"
+TRACE = Path(__file__).resolve().parents[1] / "fixtures" / "sim-test-oom.jsonl.gz"
 # Baselines an operator could leave switched on (false alarms on under half of the simulated
 # test split's OOM-free traces; docs/model-card.md has the figures).
 QUIET_BASELINES = (

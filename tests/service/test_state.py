@@ -55,3 +55,23 @@ def test_silent_domains_expire_and_a_firing_one_is_resolved() -> None:
     assert [(p["device"], p["status"]) for p in resolved] == [("gpu0", "resolved")]
     assert "no samples for 100s" in resolved[0]["reason"]
     assert st.domains == {}
+
+
+def test_a_new_job_on_the_device_starts_from_a_clean_forecaster_state() -> None:
+    from oomcast.model.runtime import DEFAULT_MODEL, OnnxForecaster
+
+    policy = AlertPolicy(AlertRule(60, 0.5), resolve_risk=0.2, fire_after=1, resolve_after=1)
+    fc = OnnxForecaster(DEFAULT_MODEL)
+    st = LiveState(fc, policy)
+    # job A climbs hard to 97%, then job B starts on the same GPU at 30%
+    st.apply([sample(float(t), 0.5 + 0.02 * t, job="a") for t in range(24)], now_wall=100.0)
+    b = [sample(30.0 + t, 0.3, job="b") for t in range(5)]
+    got = st.apply(b, now_wall=101.0).forecasts
+    fresh = LiveState(fc, policy).apply(b, now_wall=101.0).forecasts
+    for (_, g), (_, f) in zip(got, fresh, strict=True):
+        assert dict(g.risk) == dict(f.risk)
+    # the same samples without a job change carry job A's history
+    st2 = LiveState(fc, policy)
+    st2.apply([sample(float(t), 0.5 + 0.02 * t, job="a") for t in range(24)], now_wall=100.0)
+    same_job = st2.apply([sample(30.0 + t, 0.3, job="a") for t in range(5)], now_wall=101.0)
+    assert dict(same_job.forecasts[0][1].risk) != dict(fresh[0][1].risk)

@@ -54,7 +54,8 @@ def test_the_model_serves_with_its_own_rule(
         risks = [out["risk"][h] for h in ("5", "15", "30", "60", "120", "300")]
         assert risks == sorted(risks)
         assert c.get("/v1/devices").json()["alert_horizon_s"] == 120  # the model's rule
-        assert 'kind="model"' in c.get("/metrics").text
+        metrics = c.get("/metrics").text
+        assert 'kind="model"' in metrics and 'provider="CPUExecutionProvider"' in metrics
 
 
 def test_a_missing_model_falls_back_to_a_baseline_loudly(

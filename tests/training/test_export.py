@@ -172,3 +172,25 @@ def test_batched_time_to_oom_agrees_with_one_row_at_a_time(n: int) -> None:
         assert (t is None) == (want is None)
         if t is not None:
             assert t == pytest.approx(want, rel=1e-5)
+
+
+def test_cuda_is_asked_for_first_and_the_provider_reported_is_the_one_running(
+    model_file: tuple[Path, OOMForecastNet], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import onnxruntime as ort
+
+    asked: list[list[str]] = []
+    real_session = ort.InferenceSession
+
+    def session(path: str, options: object, providers: list[str]) -> object:
+        asked.append(list(providers))
+        # the CPU build cannot run CUDA: it runs on what it has, as a GPU-less node would
+        return real_session(path, options, providers=["CPUExecutionProvider"])
+
+    monkeypatch.setattr(
+        ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    )
+    monkeypatch.setattr(ort, "InferenceSession", session)
+    fc = OnnxForecaster(model_file[0])
+    assert asked == [["CUDAExecutionProvider", "CPUExecutionProvider"]]
+    assert fc.provider == "CPUExecutionProvider"

@@ -208,6 +208,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         epochs=args.epochs,
         seed=args.seed,
         max_minutes=args.max_minutes,
+        patience=args.patience,
         progress=not args.no_progress,
     )
     return 0
@@ -342,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="recorded host traces: their training half (even seeds) is added; '' for none",
     )
     t.add_argument("--epochs", type=int, default=60)
+    t.add_argument(
+        "--patience", type=int, default=30, help="stop after this many epochs without progress"
+    )
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.add_argument("--max-minutes", type=float, default=28.0)
     t.add_argument("--seed", type=int, default=0)

@@ -96,21 +96,6 @@ class SequenceModule(nn.Module):
         return risk, h2, c2
 
 
-class StepModule(nn.Module):
-    """One streaming step, the graph exported to ONNX: (x, h, c) -> (risk, h, c).
-    x: (batch, features); h, c: (layers, batch, hidden); risk: (batch, H)."""
-
-    def __init__(self, net: OOMForecastNet) -> None:
-        super().__init__()
-        self.net = net
-
-    def forward(
-        self, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        risk, (h2, c2) = self.net(x.unsqueeze(1), (h, c))
-        return risk[:, 0, :], h2, c2
-
-
 def survival_loss(
     log_s: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, pos_weight: float = 1.0
 ) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,25 +36,12 @@ class Slot:
     emb: EmbeddingState = field(default_factory=EmbeddingState)
 
 
-def _time_to_oom_row(row: list[float], horizons: tuple[float, ...]) -> float | None:
-    """``time_to_oom`` of one row in plain Python: for small batches numpy's per-call
-    overhead costs more than the arithmetic."""
-    if row[-1] < 0.5:
-        return None
-    x0, y0 = 0.0, 0.0
-    for x1, y1 in zip(horizons, row, strict=True):
-        if y1 >= 0.5:
-            return x0 + (0.5 - y0) * (x1 - x0) / max(y1 - y0, 1e-9)
-        x0, y0 = x1, y1
-    return None  # unreachable: the last risk is >= 0.5
-
-
 def times_to_oom(risk: np.ndarray, horizons: np.ndarray) -> list[float | None]:
     """``time_to_oom`` for a batch (batch, H) at once."""
     n = risk.shape[0]
     if n <= 16:
-        hs = tuple(float(h) for h in horizons)
-        return [_time_to_oom_row(row, hs) for row in risk.tolist()]
+        hs = horizons.tolist()
+        return [time_to_oom(row, hs) for row in risk.tolist()]
     ys = np.concatenate([np.zeros((n, 1), risk.dtype), risk], axis=1)
     xs = np.concatenate([[0.0], horizons])
     crossed = ys >= 0.5
@@ -66,16 +54,18 @@ def times_to_oom(risk: np.ndarray, horizons: np.ndarray) -> list[float | None]:
     return [float(v) if ok else None for v, ok in zip(t.tolist(), found.tolist(), strict=True)]
 
 
-def time_to_oom(risk: np.ndarray, horizons: np.ndarray) -> float | None:
-    """Median time to OOM read off the risk curve (linear between horizons), or None when
-    the risk within the longest horizon stays under one half."""
+def time_to_oom(risk: Sequence[float], horizons: Sequence[float]) -> float | None:
+    """Median time to OOM read off one risk curve (linear between horizons), or None when
+    the risk within the longest horizon stays under one half. Plain Python: for a few rows
+    numpy's per-call overhead costs more than the arithmetic."""
     if risk[-1] < 0.5:
         return None
-    xs = np.concatenate([[0.0], horizons])
-    ys = np.concatenate([[0.0], risk])
-    k = int(np.argmax(ys >= 0.5))
-    x0, x1, y0, y1 = xs[k - 1], xs[k], ys[k - 1], ys[k]
-    return float(x0 + (0.5 - y0) * (x1 - x0) / max(y1 - y0, 1e-9))
+    x0, y0 = 0.0, 0.0
+    for x1, y1 in zip(horizons, risk, strict=True):
+        if y1 >= 0.5:
+            return float(x0 + (0.5 - y0) * (x1 - x0) / max(y1 - y0, 1e-9))
+        x0, y0 = x1, y1
+    return None  # unreachable: the last risk is >= 0.5
 
 
 class OnnxForecaster:
@@ -181,14 +171,7 @@ class OnnxForecaster:
         risk = risk[:, 0, :]
         self._h[:, idx] = h
         self._c[:, idx] = c
-        ttos = times_to_oom(risk, self._horizons)
-        index = self._index
-        version = self.version
-        new, cls = tuple.__new__, Forecast  # Forecast(...) without its Python-level __new__
-        return [
-            new(cls, (RiskRow(index, row), tto, sample.ts, version))
-            for row, tto, sample in zip(risk.tolist(), ttos, samples, strict=True)
-        ]
+        return self._forecasts(risk, samples)
 
     def window(self, samples: list[Sample]) -> list[Forecast]:
         """Forecasts for every sample of one domain's window, in one call from a zero state
@@ -199,10 +182,17 @@ class OnnxForecaster:
         x = np.asarray([[emb.embed(s) for s in samples]], dtype=np.float32)
         zero = np.zeros((self.layers, 1, self.hidden), np.float32)
         risk = self.session.run(None, {"x": x, "h": zero, "c": zero})[0][0]
+        return self._forecasts(risk, samples)
+
+    def _forecasts(self, risk: np.ndarray, samples: list[Sample]) -> list[Forecast]:
+        """One Forecast per row of ``risk`` (rows, H), made from ``samples[i]``."""
         ttos = times_to_oom(risk, self._horizons)
+        index = self._index
+        version = self.version
+        new, cls = tuple.__new__, Forecast  # Forecast(...) without its Python-level __new__
         return [
-            Forecast(RiskRow(self._index, row), tto, s.ts, self.version)
-            for row, tto, s in zip(risk.tolist(), ttos, samples, strict=True)
+            new(cls, (RiskRow(index, row), tto, sample.ts, version))
+            for row, tto, sample in zip(risk.tolist(), ttos, samples, strict=True)
         ]
 
     @property

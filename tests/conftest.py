@@ -181,3 +181,27 @@ def wait_until(predicate: Any, timeout_s: float = 20.0, interval_s: float = 0.05
 
 def oomcast_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "oomcast.service.cli", *args]
+
+
+def start_serve(env: dict[str, str], port: int) -> subprocess.Popen[bytes]:
+    """`oomcast serve` as a real process on ``port``, returned once ``/readyz`` says 200."""
+    import httpx
+
+    proc = subprocess.Popen(
+        oomcast_cmd("serve", "--port", str(port)),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    if not wait_until(ready, 30):
+        proc.kill()
+        proc.wait()
+        raise AssertionError("oomcast serve did not become ready")
+    return proc

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from oomcast.model.network import NetConfig, OOMForecastNet, StepModule, survival_loss
+from oomcast.model.network import NetConfig, OOMForecastNet, SequenceModule, survival_loss
 
 
 def test_risk_never_decreases_with_the_horizon() -> None:
@@ -19,12 +19,12 @@ def test_streaming_steps_equal_the_whole_sequence() -> None:
     net = OOMForecastNet(NetConfig()).eval()
     x = torch.randn(3, 25, net.cfg.n_features)
     full, _ = net(x)
-    step = StepModule(net)
+    step = SequenceModule(net)  # the exported graph, fed one sample at a time
     h, c = net.zero_state(3)
     outs = []
     for t in range(25):
-        r, h, c = step(x[:, t], h, c)
-        outs.append(r)
+        r, h, c = step(x[:, t : t + 1], h, c)
+        outs.append(r[:, 0])
     assert torch.allclose(torch.stack(outs, dim=1), full, atol=1e-5)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from conftest import free_port, oomcast_cmd, wait_until
+from conftest import free_port, oomcast_cmd, start_serve, wait_until
 from support import leak_trace, steady_trace, write
 
 from oomcast.model.schema import Event
@@ -35,21 +35,8 @@ def stack(redis_url: str, key_prefix: str, webhook_receiver: Any) -> Any:
         "OOMCAST_CONSUMER_NAME": "e2e",
         "OOMCAST_FORECASTER": "predict_linear_w60s_h60s_gate0.80_full",
     }
-    server = subprocess.Popen(
-        oomcast_cmd("serve", "--port", str(port)),
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    server = start_serve(env, port)
     base = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{base}/readyz").status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    assert wait_until(ready, 30)
 
     def replay(trace: Path, speed: float) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

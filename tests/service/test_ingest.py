@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from conftest import free_port, oomcast_cmd, wait_until
+from conftest import free_port, start_serve, wait_until
 from fastapi.testclient import TestClient
 from support import GIB, T0
 
@@ -159,21 +159,8 @@ def served(redis_url: str, key_prefix: str) -> Iterator[Any]:
     procs: list[subprocess.Popen[bytes]] = []
 
     def start() -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(
-            oomcast_cmd("serve", "--port", str(port)),
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        proc = start_serve(env, port)
         procs.append(proc)
-
-        def ready() -> bool:
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_until(ready, 30), "oomcast serve did not become ready"
         return proc
 
     start.base = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import free_port, oomcast_cmd, wait_until
+from conftest import free_port, oomcast_cmd, start_serve
 
 from oomcast.model.baselines import baseline_by_name
 from oomcast.model.runtime import DEFAULT_MODEL
@@ -57,22 +57,9 @@ def test_the_model_warns_earlier_than_the_baselines_through_the_real_pipeline(
     }
     env.pop("OOMCAST_FORECASTER", None)
     env.pop("OOMCAST_MODEL_PATH", None)
-    server = subprocess.Popen(
-        oomcast_cmd("serve", "--port", str(port)),
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    server = start_serve(env, port)
     base = f"http://127.0.0.1:{port}"
     try:
-
-        def ready() -> bool:
-            try:
-                return httpx.get(f"{base}/readyz").status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_until(ready, 30)
         status = httpx.get(f"{base}/readyz").json()
         assert status["forecaster"]["kind"] == "model", status
         assert status["forecaster"]["provider"] == "CPUExecutionProvider"

@@ -172,6 +172,14 @@ def test_batched_time_to_oom_agrees_with_one_row_at_a_time(n: int) -> None:
         assert (t is None) == (want is None)
         if t is not None:
             assert t == pytest.approx(want, rel=1e-5)
+    # small batches go row by row in Python, large ones through numpy: padded past the
+    # cut-over, the same rows must give the same answers on the numpy path
+    padded = np.concatenate([risk, np.zeros((17, 6), np.float32)])
+    vectorized = times_to_oom(padded, h)[:n]
+    for t, v in zip(got, vectorized, strict=True):
+        assert (t is None) == (v is None)
+        if t is not None:
+            assert t == pytest.approx(v, rel=1e-5)
 
 
 def test_cuda_is_asked_for_first_and_the_provider_reported_is_the_one_running(

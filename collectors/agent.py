@@ -2,6 +2,11 @@
 
 Every sample leaves the node with its memory-access embedding, computed here so the
 service's hot path can skip it (DESIGN.md). Events (``oom``) go to the events stream.
+
+Each source keeps its own sampling interval (NVML every second, cgroups every second, a
+replay at its trace's spacing) and returns nothing when it is not due; the agent ticks at
+the shortest of them. A source that raises is counted and logged, and the others go on: one
+broken GPU or an unreadable cgroup must not blind the agent to the rest of the node.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from oomcast.collectors.publisher import Entry, StreamPublisher
 from oomcast.collectors.sources.base import Source
@@ -26,6 +31,10 @@ class AgentStats:
     ticks: int = 0
     samples: int = 0
     events: int = 0
+    source_errors: dict[str, int] = field(default_factory=dict)
+    last_tick_s: float = 0.0  # how long the last tick took (poll, embed, publish)
+    last_tick_at: float = 0.0  # monotonic time the last tick ended
+    domains: int = 0  # domains sampled within the agent's memory window (forget_after_s)
 
 
 class NodeAgent:
@@ -37,6 +46,7 @@ class NodeAgent:
         *,
         interval_s: float = 1.0,
         clock: Callable[[], float] = time.time,
+        forget_after_s: float = 600.0,
     ) -> None:
         if not sources:
             raise ValueError("a node agent needs at least one source")
@@ -49,29 +59,32 @@ class NodeAgent:
         self.stats = AgentStats()
         self._clock = clock
         self._embedders: dict[Domain, EmbeddingState] = {}
+        self._last_seen: dict[Domain, float] = {}
+        self.forget_after_s = forget_after_s
+        self._next_sweep = 0.0
+
+    def _source_failed(self, name: str, exc: Exception) -> None:
+        n = self.stats.source_errors[name] = self.stats.source_errors.get(name, 0) + 1
+        if n in (1, 10, 100) or n % 1000 == 0:
+            log.warning("source %s failed (%d times so far): %s", name, n, exc)
 
     def build_entries(self, now: float) -> list[Entry]:
         by_node: dict[str, list[dict[str, object]]] = {}
         events: list[Entry] = []
         for source in self.sources:
-            for record in source.poll(now):
-                if isinstance(record, Event):
-                    events.append(Entry(self.keys.events, encode_event(record), 1))
-                    self.stats.events += 1
-                    if record.event == "oom":
-                        self._embedders.pop(record.domain, None)  # that job is gone
-                    continue
-                assert isinstance(record, Sample)
-                state = self._embedders.get(record.domain)
-                if state is None or (
-                    state.prev is not None and record.job and record.job != state.prev.job
-                ):
-                    # a new job starts its history afresh: age, trends, high-water mark
-                    state = self._embedders[record.domain] = EmbeddingState()
-                emb = state.embed(record)
-                payload = sample_payload(record, emb, EMBEDDING_VERSION)
-                by_node.setdefault(record.node, []).append(payload)
-                self.stats.samples += 1
+            name = getattr(source, "name", type(source).__name__)
+            try:
+                records = source.poll(now)
+            except Exception as exc:  # one source must not stop the others
+                self._source_failed(name, exc)
+                continue
+            for record in records:
+                try:
+                    self._add(record, now, by_node, events)
+                except Exception as exc:  # nor one odd record (a zero capacity, say)
+                    self._source_failed(name, exc)
+        self._forget_stale(now)
+        self.stats.domains = len(self._last_seen)
         entries = [
             Entry(self.keys.samples_for(node), encode_samples(node, payloads), len(payloads))
             for node, payloads in by_node.items()
@@ -79,9 +92,52 @@ class NodeAgent:
         # Samples first: an OOM event should not reach the service before the samples leading to it.
         return entries + events
 
+    def _add(
+        self,
+        record: object,
+        now: float,
+        by_node: dict[str, list[dict[str, object]]],
+        events: list[Entry],
+    ) -> None:
+        if isinstance(record, Event):
+            events.append(Entry(self.keys.events, encode_event(record), 1))
+            self.stats.events += 1
+            if record.event == "oom":
+                self._embedders.pop(record.domain, None)  # that job is gone
+            return
+        if not isinstance(record, Sample):
+            raise TypeError(f"a source returned {type(record).__name__}, not a Sample or Event")
+        if record.total_bytes <= 0:
+            raise ValueError(f"{record.node}/{record.device}: total_bytes={record.total_bytes}")
+        state = self._embedders.get(record.domain)
+        if state is None or (
+            state.prev is not None and record.job and record.job != state.prev.job
+        ):
+            # a new job starts its history afresh: age, trends, high-water mark
+            state = self._embedders[record.domain] = EmbeddingState()
+        emb = state.embed(record)
+        self._last_seen[record.domain] = now
+        payload = sample_payload(record, emb, EMBEDDING_VERSION)
+        by_node.setdefault(record.node, []).append(payload)
+        self.stats.samples += 1
+
+    def _forget_stale(self, now: float) -> None:
+        """Drop the history of domains not sampled for ``forget_after_s`` (containers come
+        and go all day: an agent must not keep every one it ever saw)."""
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + min(60.0, self.forget_after_s)
+        for domain, seen in list(self._last_seen.items()):
+            if now - seen > self.forget_after_s:
+                del self._last_seen[domain]
+                self._embedders.pop(domain, None)
+
     def tick(self) -> None:
+        started = time.monotonic()
         self.stats.ticks += 1
         self.publisher.publish(self.build_entries(self._clock()))
+        self.stats.last_tick_at = time.monotonic()
+        self.stats.last_tick_s = self.stats.last_tick_at - started
 
     @property
     def exhausted(self) -> bool:

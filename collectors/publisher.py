@@ -56,6 +56,7 @@ class StreamPublisher:
         self._buffered = 0
         self._retry_at = 0.0
         self._backoff_s = 0.0
+        self.connected = True  # False from a failed write until the next one succeeds
 
     @property
     def buffered_samples(self) -> int:
@@ -86,6 +87,7 @@ class StreamPublisher:
                 # Connection loss, but also a full (maxmemory) or read-only (failover) Redis:
                 # keep the samples and keep sampling until it takes writes again.
                 self.stats.publish_errors += 1
+                self.connected = False
                 self._backoff_s = min(self.max_backoff_s, max(0.25, self._backoff_s * 2))
                 self._retry_at = self._clock() + self._backoff_s
                 log.warning(
@@ -103,4 +105,5 @@ class StreamPublisher:
                 self.stats.samples_sent += e.n_samples
         self._backoff_s = 0.0
         self._retry_at = 0.0
+        self.connected = True
         return True

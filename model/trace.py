@@ -10,7 +10,7 @@ import gzip
 import io
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
@@ -134,3 +134,21 @@ def find_traces(folder: Path | str) -> list[Path]:
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder of traces")
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name.endswith(TRACE_SUFFIXES))
+
+
+def nvml_view(sample: Sample) -> Sample:
+    """A GPU sample as the NVML source alone would have seen it: whole-GPU use, no allocator
+    figures (allocated, reserved, step peak, retries come only from the in-process hook)."""
+    if sample.kind != "gpu":
+        return sample
+    return replace(
+        sample, allocated_bytes=None, reserved_bytes=None, peak_bytes=None, alloc_retries=None
+    )
+
+
+def as_nvml_sees_it(trace: Trace) -> Trace:
+    """The trace with every GPU sample reduced to what NVML alone reports."""
+    out = Trace(path=trace.path)
+    out.samples = {d: [nvml_view(s) for s in ss] for d, ss in trace.samples.items()}
+    out.events = list(trace.events)
+    return out

@@ -50,6 +50,12 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
+def _default_cgroup_root() -> str:
+    """/sys/fs/cgroup/memory on a cgroup v1 node, else /sys/fs/cgroup (v2)."""
+    v1 = Path("/sys/fs/cgroup/memory")
+    return str(v1) if (v1 / "memory.usage_in_bytes").exists() else "/sys/fs/cgroup"
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -61,37 +67,109 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+SOURCES = ("nvml", "cgroup", "sim", "replay")
+
+
+def _parse_sources(raw: str) -> list[str]:
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SOURCES]
+    if not names or unknown:
+        raise UsageError(
+            f"--source {raw!r}: unknown {', '.join(unknown) or 'empty list'};"
+            f" choose from {', '.join(SOURCES)} (comma-separated for several)"
+        )
+    if len(set(names)) != len(names):
+        raise UsageError(f"--source {raw!r} names a source twice")
+    return names
+
+
+def _build_sources(args: argparse.Namespace) -> list[Any]:
+    sources: list[Any] = []
+    for name in _parse_sources(args.source):
+        if name == "replay":
+            from oomcast.collectors.sources.replay import ReplaySource
+
+            if not args.trace:
+                raise UsageError("--source replay needs --trace FILE")
+            if not Path(args.trace).is_file():
+                raise UsageError(f"--trace {args.trace}: no such file")
+            sources.append(ReplaySource(args.trace, speed=args.speed))
+        elif name == "sim":
+            from oomcast.collectors.sources.sim import SimGPU, SimSource
+
+            patterns = args.patterns.split(",")
+            gpus = [
+                SimGPU(
+                    args.node,
+                    f"gpu{i}",
+                    patterns[i % len(patterns)],
+                    seed=args.seed,
+                    time_scale=args.speed,
+                )
+                for i in range(args.gpus)
+            ]
+            sources.append(SimSource(gpus, interval_s=args.interval))
+        elif name == "cgroup":
+            from oomcast.collectors.cgroupfs import CgroupUnavailable
+            from oomcast.collectors.sources.cgroup import CgroupSource
+
+            try:
+                sources.append(
+                    CgroupSource(
+                        args.node,
+                        args.cgroup_root,
+                        interval_s=args.cgroup_interval,
+                        include=tuple(args.cgroup_include or ("*",)),
+                        exclude=tuple(args.cgroup_exclude or ()),
+                    )
+                )
+            except CgroupUnavailable as exc:
+                raise UsageError(f"--cgroup-root {args.cgroup_root}: {exc}") from None
+        elif name == "nvml":
+            sources.append(_nvml_source(args))
+    return sources
+
+
+def _priorities(pairs: list[str] | None) -> dict[str, int]:
+    """``--priority 'pod:*=10' --priority 'batch-*=-5'`` -> {glob: priority}."""
+    out: dict[str, int] = {}
+    for pair in pairs or []:
+        glob, sep, value = pair.rpartition("=")
+        try:
+            out[glob] = int(value)
+        except ValueError:
+            sep = ""
+        if not sep or not glob:
+            raise UsageError(f"--priority {pair!r}: expected GLOB=INTEGER, e.g. 'pod:*=10'")
+    return out
+
+
+def _nvml_source(args: argparse.Namespace) -> Any:
+    from oomcast.collectors.nvml import Nvml, NvmlUnavailable
+    from oomcast.collectors.procinfo import ProcResolver
+    from oomcast.collectors.sources.nvml import NvmlSource
+
+    priorities = _priorities(args.priority)  # flags first: a typo should not wait on NVML
+    nvml = Nvml()
+    try:
+        nvml.device_count()  # fail now, with the hint, rather than on the first tick
+    except NvmlUnavailable as exc:
+        raise UsageError(f"--source nvml: {exc}") from None
+    return NvmlSource(
+        args.node,
+        nvml=nvml,
+        procinfo=ProcResolver(args.proc_root, priorities=priorities),
+        interval_s=args.nvml_interval,
+    )
+
+
 def cmd_collect(args: argparse.Namespace) -> int:
     import redis
 
     from oomcast.collectors.agent import NodeAgent
     from oomcast.collectors.publisher import StreamPublisher
-    from oomcast.collectors.sources.base import Source
 
-    sources: list[Source] = []
-    if args.source == "replay":
-        from oomcast.collectors.sources.replay import ReplaySource
-
-        if not args.trace:
-            raise UsageError("--source replay needs --trace FILE")
-        if not Path(args.trace).is_file():
-            raise UsageError(f"--trace {args.trace}: no such file")
-        sources.append(ReplaySource(args.trace, speed=args.speed))
-    else:
-        from oomcast.collectors.sources.sim import SimGPU, SimSource
-
-        patterns = args.patterns.split(",")
-        gpus = [
-            SimGPU(
-                args.node,
-                f"gpu{i}",
-                patterns[i % len(patterns)],
-                seed=args.seed,
-                time_scale=args.speed,
-            )
-            for i in range(args.gpus)
-        ]
-        sources.append(SimSource(gpus, interval_s=args.interval))
+    sources = _build_sources(args)
     url = args.redis_url or os.environ.get("OOMCAST_REDIS_URL") or DEFAULT_REDIS_URL
     client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=2.0)
     publisher = StreamPublisher(
@@ -99,12 +177,46 @@ def cmd_collect(args: argparse.Namespace) -> int:
         maxlen=_env_int("OOMCAST_STREAM_MAXLEN", 100_000),
         buffer_samples=args.buffer_samples,
     )
-    # A replay checks its clock more often than it samples, to keep the trace's own spacing.
-    interval = min(args.interval, 0.05) if args.source == "replay" else args.interval
-    agent = NodeAgent(sources, publisher, _keys_from_env(), interval_s=interval)
+    # The agent ticks at the shortest source interval; each source says when it is due. A
+    # replay checks its clock more often than it samples, to keep the trace's own spacing.
+    intervals = [float(getattr(s, "interval_s", args.interval)) for s in sources]
+    if any(isinstance(s, _replay_type()) for s in sources):
+        intervals.append(0.05)
+    agent = NodeAgent(sources, publisher, _keys_from_env(), interval_s=min(intervals))
+    http = None
+    explicit = args.metrics_port is not None or bool(os.environ.get("OOMCAST_AGENT_METRICS_PORT"))
+    port = (
+        args.metrics_port
+        if args.metrics_port is not None
+        else _env_int("OOMCAST_AGENT_METRICS_PORT", 9101)
+    )
+    if port:
+        from oomcast.collectors.metrics import AgentHTTP
+
+        try:
+            http = AgentHTTP(agent, args.metrics_host, port).start()
+        except OSError as exc:
+            where = f"{args.metrics_host}:{port} ({exc.strerror})"
+            if explicit:
+                raise UsageError(f"--metrics-port {port}: cannot listen on {where}") from None
+            # the default port, taken (a second agent on one machine): sample anyway
+            logging.getLogger(PROG).warning("no /metrics: cannot listen on %s", where)
     stop = _stop_on_signals()
-    logging.getLogger(PROG).info("collecting from %s into %s", args.source, url)
-    agent.run(stop)
+    logging.getLogger(PROG).info(
+        "collecting from %s into %s%s",
+        args.source,
+        url,
+        f"; metrics on http://{args.metrics_host}:{http.port}/metrics" if http else "",
+    )
+    try:
+        agent.run(stop)
+    finally:
+        if http is not None:
+            http.close()
+        for s in sources:
+            close = getattr(s, "close", None)
+            if callable(close):
+                close()
     stats = publisher.stats
     print(
         f"{PROG} collect: {agent.stats.samples} samples, {agent.stats.events} events;"
@@ -113,6 +225,39 @@ def cmd_collect(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0 if publisher.buffered_samples == 0 else 1
+
+
+def _replay_type() -> type:
+    from oomcast.collectors.sources.replay import ReplaySource
+
+    return ReplaySource
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    import redis
+
+    from oomcast.training.from_redis import dump_trace
+
+    url = args.redis_url or os.environ.get("OOMCAST_REDIS_URL") or DEFAULT_REDIS_URL
+    client = redis.Redis.from_url(url, socket_connect_timeout=2.0)
+    try:
+        result = dump_trace(
+            client,
+            _keys_from_env(),
+            args.node,
+            args.out,
+            devices=set(args.device) if args.device else None,
+            since=args.since,
+            until=args.until,
+        )
+    except redis.RedisError as exc:
+        raise UsageError(f"cannot read from Redis at {url}: {exc}") from None
+    print(
+        f"wrote {result.path}: {result.samples} samples of {len(result.domains)} domains"
+        f" ({', '.join(result.domains)}), {result.events} events ({result.ooms} oom);"
+        f" skipped {result.skipped_entries} bad entries, {result.duplicates} duplicates"
+    )
+    return 0
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -164,7 +309,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     model = _model_detector(args.model)
     if model is not None:
         detectors.insert(0, model)
-    result = evaluate(detectors, paths, min_lead_s=args.min_lead)
+    result = evaluate(detectors, paths, min_lead_s=args.min_lead, view=args.view)
     print(
         json.dumps(result, indent=None if args.json else 1) if args.json else format_table(result)
     )
@@ -210,6 +355,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         max_minutes=args.max_minutes,
         patience=args.patience,
         progress=not args.no_progress,
+        nvml_views=not args.no_nvml_views,
     )
     return 0
 
@@ -241,9 +387,25 @@ def cmd_card(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from oomcast.service.bench import bench_inference
+    url = args.redis_url or os.environ.get("OOMCAST_REDIS_URL") or DEFAULT_REDIS_URL
+    result: dict[str, Any]
+    if args.what == "inference":
+        from oomcast.service.bench import bench_inference
 
-    result = bench_inference(args.model, seconds=args.seconds)
+        result = bench_inference(args.model, seconds=args.seconds)
+    elif args.what == "hook":
+        from oomcast.collectors.hook import bench_hook
+
+        result = bench_hook(args.steps, url)
+    else:
+        import redis
+
+        from oomcast.collectors.bench import bench_agent
+
+        try:
+            result = bench_agent(url, seconds=args.seconds, hz=args.hz, domains=args.domains)
+        except redis.RedisError as exc:
+            raise UsageError(f"bench agent needs a Redis at {url}: {exc}") from None
     if args.json:
         print(json.dumps(result))
     else:
@@ -290,11 +452,43 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.set_defaults(func=cmd_serve)
 
-    c = sub.add_parser("collect", help="run a node agent")
-    c.add_argument("--source", required=True, choices=["sim", "replay"])
+    c = sub.add_parser(
+        "collect",
+        help="run a node agent",
+        description="Sample memory domains and stream them to Redis. Several sources may run"
+        " at once: --source nvml,cgroup",
+    )
+    c.add_argument("--source", required=True, help="comma-separated: nvml, cgroup, sim, replay")
     c.add_argument("--trace", help="trace file to replay (.jsonl or .jsonl.gz)")
     c.add_argument("--speed", type=float, default=1.0, help="replay or simulate this much faster")
-    c.add_argument("--interval", type=float, default=1.0, help="sampling interval, seconds")
+    c.add_argument("--interval", type=float, default=1.0, help="sim sampling interval, seconds")
+    c.add_argument("--nvml-interval", type=float, default=1.0, help="seconds between NVML samples")
+    c.add_argument(
+        "--cgroup-interval", type=float, default=1.0, help="seconds between cgroup samples"
+    )
+    c.add_argument(
+        "--cgroup-root",
+        default=os.environ.get("OOMCAST_CGROUP_ROOT") or _default_cgroup_root(),
+        help="where the memory cgroups are: /sys/fs/cgroup (v2) or /sys/fs/cgroup/memory (v1)",
+    )
+    c.add_argument(
+        "--cgroup-include",
+        action="append",
+        help="glob on the cgroup path below the root, e.g. '/kubepods*' (repeatable)",
+    )
+    c.add_argument("--cgroup-exclude", action="append", help="glob of cgroups to leave out")
+    c.add_argument(
+        "--proc-root",
+        default=os.environ.get("OOMCAST_PROC_ROOT", "/proc"),
+        help="/proc of the processes using the GPUs (map pids to pods)",
+    )
+    c.add_argument(
+        "--priority",
+        action="append",
+        metavar="GLOB=INT",
+        help="priority of jobs (or process names) matching GLOB, where a process does not"
+        " set OOMCAST_PRIORITY itself (repeatable; default 0)",
+    )
     c.add_argument("--node", default=os.environ.get("OOMCAST_NODE") or os.uname().nodename)
     c.add_argument("--gpus", type=int, default=4, help="simulated GPUs")
     c.add_argument(
@@ -310,7 +504,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="samples kept while Redis is unreachable",
     )
     c.add_argument("--redis-url", default=None, help="default: $OOMCAST_REDIS_URL")
+    c.add_argument("--metrics-host", default="127.0.0.1", help="address of /metrics, /livez")
+    c.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="port of the agent's /metrics, /livez and /readyz (0: none; default"
+        " $OOMCAST_AGENT_METRICS_PORT or 9101, skipped with a warning when that is taken)",
+    )
     c.set_defaults(func=cmd_collect)
+
+    du = sub.add_parser(
+        "dump",
+        help="write what a node streamed to Redis as a labelled trace",
+        description="Read one node's samples and events back from Redis into a trace file"
+        " (.jsonl or .jsonl.gz) that evaluate and train read.",
+    )
+    du.add_argument("--node", required=True)
+    du.add_argument("--out", required=True, help="trace file to write")
+    du.add_argument("--device", action="append", help="only this device (repeatable)")
+    du.add_argument(
+        "--since", type=float, default=None, help="unix time Redis received the first entry"
+    )
+    du.add_argument("--until", type=float, default=None, help="unix time to stop at (ditto)")
+    du.add_argument("--redis-url", default=None, help="default: $OOMCAST_REDIS_URL")
+    du.set_defaults(func=cmd_dump)
 
     m = sub.add_parser("simulate", help="write labelled traces (train/val/test split)")
     m.add_argument("--out", help="folder for the traces and manifest.json")
@@ -327,6 +545,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--traces", required=True, nargs="+", help="folders of traces and/or trace files"
     )
     e.add_argument("--min-lead", type=float, default=10.0, help="seconds of warning that count")
+    e.add_argument(
+        "--view",
+        choices=["full", "nvml"],
+        default="full",
+        help="nvml: score GPU samples as NVML alone reports them (no allocator figures)",
+    )
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.add_argument("--model", help="ONNX model to score (default: the shipped one, if any)")
     e.set_defaults(func=cmd_evaluate)
@@ -347,6 +571,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--patience", type=int, default=30, help="stop after this many epochs without progress"
     )
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    t.add_argument(
+        "--no-nvml-views",
+        action="store_true",
+        help="train on the simulated GPUs as the hook sees them only (by default each GPU trace"
+        " is also shown as NVML alone sees it, without allocator figures)",
+    )
     t.add_argument("--max-minutes", type=float, default=28.0)
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_train)
@@ -366,9 +596,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_card)
 
     b = sub.add_parser("bench", help="measure a hot path")
-    b.add_argument("what", choices=["inference"], help="ingest and hook benchmarks: not yet")
+    b.add_argument(
+        "what",
+        choices=["inference", "hook", "agent"],
+        help="inference: the forecaster per sample; hook: the in-process hook's step();"
+        " agent: the node agent's CPU use",
+    )
     b.add_argument("--model", help="ONNX model (default: shipped, else an untrained one)")
-    b.add_argument("--seconds", type=float, default=2.0, help="per measurement")
+    b.add_argument("--seconds", type=float, default=2.0, help="per measurement (agent: total)")
+    b.add_argument("--steps", type=int, default=20_000, help="hook: steps timed")
+    b.add_argument("--hz", type=float, default=10.0, help="agent: sampling rate")
+    b.add_argument("--domains", type=int, default=8, help="agent: memory cgroups watched")
+    b.add_argument("--redis-url", default=None, help="hook, agent: default $OOMCAST_REDIS_URL")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
     return p

@@ -201,6 +201,8 @@ def collectors(url: str, speed: float) -> Iterator[list[subprocess.Popen[bytes]]
                 "--log-level",
                 "warning",
                 "collect",
+                "--metrics-port",
+                "0",
                 "--source",
                 "sim",
                 "--node",

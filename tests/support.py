@@ -88,3 +88,57 @@ def steady_trace(
 def write(path: Path, records: list[Record]) -> Path:
     write_trace(path, records)
     return path
+
+
+# --- cgroup fixture trees (files as the kernel writes them) ---------------------------------
+
+MIB = 1 << 20
+LIMIT = 512 * MIB
+
+
+def write_files(path: Path, files: dict[str, str | int]) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    for name, value in files.items():
+        (path / name).write_text(f"{value}\n")
+    return path
+
+
+def v1_files(
+    *,
+    usage: int = 300 * MIB,
+    limit: int = LIMIT,
+    rss: int = 250 * MIB,
+    peak: int = 320 * MIB,
+    failcnt: int = 0,
+    oom_kill: int = 0,
+) -> dict[str, str | int]:
+    return {
+        "memory.limit_in_bytes": limit,
+        "memory.usage_in_bytes": usage,
+        "memory.max_usage_in_bytes": peak,
+        "memory.failcnt": failcnt,
+        "memory.stat": f"cache 4096\nrss {rss // 2}\nmapped_file 0\ntotal_cache 4096\n"
+        f"total_rss {rss}\nhierarchical_memory_limit {limit}\n",
+        "memory.oom_control": f"oom_kill_disable 0\nunder_oom 0\noom_kill {oom_kill}",
+        "cgroup.procs": "",
+    }
+
+
+def v2_files(
+    *,
+    current: int = 300 * MIB,
+    limit: int | str = LIMIT,
+    anon: int = 250 * MIB,
+    peak: int = 320 * MIB,
+    max_events: int = 0,
+    oom_kill: int = 0,
+) -> dict[str, str | int]:
+    return {
+        "memory.max": limit,
+        "memory.current": current,
+        "memory.peak": peak,
+        "memory.stat": f"anon {anon}\nfile 4096\nkernel 8192\nsock 0\n",
+        "memory.events": f"low 0\nhigh 0\nmax {max_events}\noom {oom_kill}\n"
+        f"oom_kill {oom_kill}\noom_group_kill 0",
+        "cgroup.procs": "",
+    }

@@ -14,6 +14,7 @@ import itertools
 import multiprocessing as mp
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ import numpy as np
 from oomcast.model import embedding as embedding_module
 from oomcast.model.embedding import EMBEDDING_VERSION, EmbeddingState
 from oomcast.model.forecast import HORIZONS_S
-from oomcast.model.trace import find_traces, load_trace
+from oomcast.model.trace import find_traces, load_trace, nvml_view
 
 H = np.asarray(HORIZONS_S, dtype=np.float64)
 
@@ -38,10 +39,16 @@ class Sequence:
     ooms: bool
 
 
-def sequences_of(path: Path) -> list[Sequence]:
+def sequences_of(path: Path, view: str = "full") -> list[Sequence]:
+    """The sequences of one trace. ``view="nvml"``: only its GPU domains, as NVML sees them
+    (the model must forecast nodes that run the agent without the in-process hook too)."""
     trace = load_trace(path)
     out = []
     for domain, all_samples in trace.samples.items():
+        if view == "nvml":
+            if all_samples[0].kind != "gpu":
+                continue
+            all_samples = [nvml_view(s) for s in all_samples]
         oom_ts = trace.oom_ts(domain)
         exit_ts = trace.exit_ts(domain) if oom_ts is None else None
         # what follows the OOM (or the job's normal end) belongs to no forecast
@@ -63,18 +70,22 @@ def sequences_of(path: Path) -> list[Sequence]:
                 m = np.ones_like(y)
             else:  # the trace just stops: the last h seconds cannot say
                 m = ((ts[-1] - ts)[:, None] >= H[None, :]).astype(np.float32)
-        out.append(Sequence(f"{path.name}:{domain[1]}", x, y, m, tto, oom_ts is not None))
+        suffix = "" if view == "full" else f"~{view}"
+        out.append(Sequence(f"{path.name}:{domain[1]}{suffix}", x, y, m, tto, oom_ts is not None))
     return out
 
 
 def load_folder(
-    folder: Path | str, cache_dir: Path | str | None = None, workers: int | None = None
+    folder: Path | str,
+    cache_dir: Path | str | None = None,
+    workers: int | None = None,
+    view: str = "full",
 ) -> list[Sequence]:
     """Every sequence of every trace below ``folder``, cached as one .npz per folder."""
     paths = find_traces(folder)
     if not paths:
         raise FileNotFoundError(f"no traces in {folder}")
-    return load_paths(paths, cache_dir, workers)
+    return load_paths(paths, cache_dir, workers, view)
 
 
 def host_split(folder: Path | str) -> tuple[list[Path], list[Path]]:
@@ -91,14 +102,17 @@ def host_split(folder: Path | str) -> tuple[list[Path], list[Path]]:
 
 
 def load_paths(
-    paths: list[Path], cache_dir: Path | str | None = None, workers: int | None = None
+    paths: list[Path],
+    cache_dir: Path | str | None = None,
+    workers: int | None = None,
+    view: str = "full",
 ) -> list[Sequence]:
     """Every sequence of the given traces, cached as one .npz per set of files."""
     if not paths:
         raise FileNotFoundError("no traces given")
     key = hashlib.sha1(
         "|".join(f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in paths).encode()
-        + f"v{EMBEDDING_VERSION}".encode()
+        + f"v{EMBEDDING_VERSION}:{view}".encode()
         # the embedding's own code: a changed feature must never be read from an old cache
         + hashlib.sha1(Path(embedding_module.__file__).read_bytes()).digest()
         + hashlib.sha1(Path(__file__).read_bytes()).digest()  # and the labelling
@@ -109,9 +123,9 @@ def load_paths(
     workers = workers or min(4, os.cpu_count() or 1)
     if workers > 1 and len(paths) > 8:
         with mp.get_context("fork").Pool(workers) as pool:
-            nested = pool.map(sequences_of, paths, chunksize=16)
+            nested = pool.map(partial(sequences_of, view=view), paths, chunksize=16)
     else:
-        nested = [sequences_of(p) for p in paths]
+        nested = [sequences_of(p, view) for p in paths]
     seqs = [s for group in nested for s in group]
     if not seqs:
         raise FileNotFoundError(f"the traces {paths[0]} ... hold no samples")

@@ -18,7 +18,7 @@ from typing import Any
 
 from oomcast.model.forecast import Detector, release_state
 from oomcast.model.schema import Sample
-from oomcast.model.trace import Trace, find_traces, load_trace
+from oomcast.model.trace import Trace, as_nvml_sees_it, find_traces, load_trace
 
 
 @dataclass
@@ -80,18 +80,30 @@ def score_trace(detector: Detector, trace: Trace, score: Score) -> None:
 
 
 def evaluate(
-    detectors: Iterable[Detector], traces: Iterable[Path], min_lead_s: float = 10.0
+    detectors: Iterable[Detector],
+    traces: Iterable[Path],
+    min_lead_s: float = 10.0,
+    view: str = "full",
 ) -> dict[str, Any]:
+    """Score every detector on every trace. ``view="nvml"`` first reduces GPU samples to what
+    NVML alone reports (no allocator figures): a node running the agent without the hook."""
+    if view not in ("full", "nvml"):
+        raise ValueError(f"view={view!r}: choose full or nvml")
     dets = list(detectors)
     scores = {d.name: Score() for d in dets}
     for path in traces:
         trace = load_trace(path)  # a corrupt line raises TraceError naming file and line
+        if view == "nvml":
+            trace = as_nvml_sees_it(trace)
         for det in dets:
             score_trace(det, trace, scores[det.name])
-    return {
+    out: dict[str, Any] = {
         "detectors": {name: s.summary(min_lead_s) for name, s in scores.items()},
         "min_lead_s": min_lead_s,
     }
+    if view != "full":
+        out["view"] = view
+    return out
 
 
 def evaluate_folder(

@@ -159,6 +159,7 @@ def train(
     patience: int = 30,
     max_minutes: float = 25.0,
     max_false_alarms: float = 0.015,
+    nvml_views: bool = True,
     seed: int = 0,
     cfg: NetConfig | None = None,
     cache: Path | str = "data/cache",
@@ -176,6 +177,8 @@ def train(
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     data, out = Path(data), Path(out)
     train_seqs = load_folder(data / "train", cache)
+    if nvml_views:  # GPUs seen by NVML alone, without the hook's allocator figures
+        train_seqs += load_folder(data / "train", cache, view="nvml")
     weights = [1.0] * len(train_seqs)
     extra_paths: list[Path] = []
     for item in extra_train or []:
@@ -185,6 +188,8 @@ def train(
         train_seqs += extra
         weights += [extra_weight] * len(extra)
     val_seqs = load_folder(data / "val", cache)
+    if nvml_views:
+        val_seqs += load_folder(data / "val", cache, view="nvml")
     cfg = cfg or NetConfig()
     net = OOMForecastNet(cfg)
     mean, std = normalization(train_seqs)
@@ -285,6 +290,7 @@ def train(
         data={
             "sim": str(data),
             "extra_train": [str(p) for p in extra_paths],
+            "nvml_views": nvml_views,
             "train_sequences": len(train_seqs),
             "val_sequences": len(val_seqs),
         },

@@ -271,3 +271,31 @@ def test_json_past_python_limits_is_a_trace_error(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "u.jsonl", ['{"ts": ' + "1" * 5000 + "}"])
     with pytest.raises(TraceError, match=r":1: not valid JSON"):
         list(iter_trace(path))
+
+
+def test_nvml_view_keeps_what_nvml_reports_and_leaves_host_samples_alone() -> None:
+    from oomcast.model.trace import as_nvml_sees_it, nvml_view
+
+    gpu = support.sample(
+        1.0, 0.9, allocated_bytes=10, reserved_bytes=20, peak_bytes=30, alloc_retries=2, job="j"
+    )
+    seen = nvml_view(gpu)
+    assert (seen.allocated_bytes, seen.reserved_bytes, seen.peak_bytes, seen.alloc_retries) == (
+        None,
+        None,
+        None,
+        None,
+    )
+    assert (seen.used_bytes, seen.total_bytes, seen.job, seen.ts) == (
+        gpu.used_bytes,
+        gpu.total_bytes,
+        "j",
+        1.0,
+    )
+    host = Sample(2.0, "n1", "cgroup:/a", "host", 100, 50, allocated_bytes=40, peak_bytes=60)
+    assert nvml_view(host) is host
+    trace = Trace(path="x", samples={gpu.domain: [gpu], host.domain: [host]})
+    trace.events.append(Event(3.0, "n1", "gpu0", "oom"))
+    view = as_nvml_sees_it(trace)
+    assert view.samples[gpu.domain] == [seen] and view.samples[host.domain] == [host]
+    assert view.events == trace.events and trace.samples[gpu.domain] == [gpu]  # a copy

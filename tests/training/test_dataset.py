@@ -128,3 +128,29 @@ def test_weights_and_hard_moments_steer_the_sampling(seqs: list) -> None:  # typ
     xs, _, _, _ = sample_windows(seqs, 16, 40, rng, focus=0.0, hard=hard, hard_share=1.0)
     target = seqs[ok[1]].x[500]
     assert all((xs[k] == target).all(axis=1).any() for k in range(16))
+
+
+def test_nvml_view_sequences_cover_gpu_domains_without_allocator_figures(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from oomcast.model.embedding import FEATURES
+    from oomcast.model.schema import Sample
+
+    records = [
+        replace(r, allocated_bytes=r.used_bytes // 2, reserved_bytes=r.used_bytes)
+        if isinstance(r, Sample)
+        else r
+        for r in leak_trace(seconds_to_oom=120)
+    ]
+    records += [
+        replace(r, device="cgroup:/x", kind="host") if isinstance(r, Sample) else r
+        for r in steady_trace(seconds=100)
+    ]
+    path = write(tmp_path / "mixed.jsonl", sorted(records, key=lambda r: r.ts))
+    full = sequences_of(path)
+    [nvml] = sequences_of(path, view="nvml")  # the host domain has no NVML view
+    assert nvml.name == "mixed.jsonl:gpu0~nvml"
+    [gpu_full] = [s for s in full if s.name == "mixed.jsonl:gpu0"]
+    assert np.array_equal(gpu_full.y, nvml.y) and np.array_equal(gpu_full.m, nvml.m)
+    masks = [i for i, f in enumerate(FEATURES) if f.endswith("_present")]
+    assert masks and not np.array_equal(gpu_full.x[:, masks], nvml.x[:, masks])

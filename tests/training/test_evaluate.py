@@ -317,3 +317,39 @@ def test_cli_takes_several_folders_and_files(folder: Path, tmp_path: Path) -> No
     assert alone_total == 1
     mixed_d = mixed["detectors"][name]
     assert mixed_d["oom_traces"] + mixed_d["ok_traces"] == total + 1
+
+
+class _SeesAllocator:
+    """Fires on any sample that reports allocated bytes: shows which view evaluate scored."""
+
+    version = "test/sees-allocator"
+    horizons_s = (60,)
+
+    def init_state(self) -> None:
+        return None
+
+    def step(self, states: list[None], samples: list[Sample], embeddings: object = None) -> list:  # type: ignore[type-arg]
+        from oomcast.model.forecast import Forecast, RiskRow
+
+        return [
+            Forecast(
+                RiskRow({60: 0}, [1.0 if s.allocated_bytes else 0.0]), None, s.ts, self.version
+            )
+            for s in samples
+        ]
+
+
+def test_view_nvml_scores_gpu_samples_without_allocator_figures(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    records = [
+        replace(r, allocated_bytes=1) if isinstance(r, Sample) else r
+        for r in support.steady_trace(seconds=60)
+    ]
+    path = support.write(tmp_path / "ok.jsonl", records)
+    det = Detector("sees", _SeesAllocator(), AlertRule(60, 0.5))
+    assert evaluate([det], [path])["detectors"]["sees"]["false_alarms"] == 1
+    nvml = evaluate([det], [path], view="nvml")
+    assert nvml["view"] == "nvml" and nvml["detectors"]["sees"]["false_alarms"] == 0
+    with pytest.raises(ValueError, match="view='dcgm'"):
+        evaluate([det], [path], view="dcgm")

@@ -105,7 +105,9 @@ def test_training_writes_a_checkpoint_that_explains_itself(data: Path, tmp_path:
     assert on_disk["embedding_version"] == EMBEDDING_VERSION
     assert on_disk["optimizer"] is not None and len(on_disk["history"]) == 2
     assert set(on_disk["rule"]) >= {"horizon_s", "threshold", "fire_after", "false_alarm_rate"}
-    assert ckpt["data"]["train_sequences"] == 8 and ckpt["data"]["val_sequences"] == 4
+    # every GPU sequence twice: as the hook sees it, and as NVML alone does
+    assert ckpt["data"]["train_sequences"] == 16 and ckpt["data"]["val_sequences"] == 8
+    assert ckpt["data"]["nvml_views"] is True
     net, _ = load_checkpoint(tmp_path / "a" / "checkpoint.pt")
     assert net.cfg.n_features == on_disk["config"]["n_features"]
     assert (tmp_path / "a" / "history.json").is_file() and (tmp_path / "a" / "best.pt").is_file()

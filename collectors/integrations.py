@@ -1,0 +1,235 @@
+"""Ready-made callbacks that put a :class:`~oomcast.collectors.hook.MemoryHook` into the
+training loops of PyTorch Lightning and Hugging Face ``transformers``.
+
+Neither library is needed to import this module. The Hugging Face callback is duck-typed
+(the ``Trainer`` calls callbacks by method name); the Lightning one must subclass
+Lightning's ``Callback``, so that class is made on first use by
+:func:`lightning_callback_class`, which imports ``lightning`` (or ``pytorch_lightning``).
+
+Hugging Face::
+
+    trainer = Trainer(..., callbacks=[OomcastTrainerCallback(job="bert-ft-42")])
+
+Lightning::
+
+    trainer = L.Trainer(..., callbacks=[OomcastLightningCallback(job="bert-ft-42")])
+
+Either takes a hook of its own making (``hook=``) or the arguments of ``MemoryHook`` to
+make one, which it then closes when training ends. A requested checkpoint is saved by the
+framework (Lightning: ``trainer.save_checkpoint``; Hugging Face: ``control.should_save``)
+and reported with ``hook.checkpoint_done``.
+
+**Several ranks.** Each rank has its own hook, and a request does not reach them together:
+a signal may be sent to one rank only, and each rank reads a control-stream command at its
+own step. The save, though, needs every rank (Lightning's ``save_checkpoint`` waits at a
+barrier, and so does the Trainer's save path), so one rank saving alone would hang the job.
+The callbacks therefore agree at every step, when training is distributed, whether any rank
+has a request (Lightning: ``trainer.strategy.reduce_boolean_decision(requested, all=False)``;
+Hugging Face: an all-reduce MAX of a 0/1 tensor over ``torch.distributed``'s default group),
+and then every rank saves. Only the flag travels, not the request id: each rank answers its
+own pending requests with ``checkpoint_done`` (or ``checkpoint_failed``), and a rank with
+none saves without reporting anything. A signal to rank 0 is answered by rank 0 alone; a
+control command, read by every rank, is answered by each (one ``checkpoint_done`` per rank,
+all with the command's id), and when the ranks read it at different steps each such step
+saves (the later ranks' requests are still pending at the first save). Training in one
+process makes no ``torch.distributed`` call. The agreement costs a collective per step (and,
+on GPUs, waiting for the step's kernels to finish).
+
+On SLURM, Lightning only installs its auto-requeue handler for SIGUSR1 when no handler is
+there yet: give the hook another signal (``checkpoint_signal=signal.SIGUSR2``) or none.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import sys
+from typing import Any
+
+from oomcast.collectors.hook import MemoryHook
+
+log = logging.getLogger(__name__)
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank of ``torch.distributed``'s default group (an
+    all-reduce MAX of a 0/1 tensor, on the current CUDA device when the backend is NCCL, else
+    on the CPU); every rank must call it at the same point. Without a process group of more
+    than one rank (or without torch loaded) it is ``flag``, and no collective is made."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return flag
+    if dist.get_world_size() <= 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=reduce_device(torch, dist))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def reduce_device(torch: Any, dist: Any) -> Any:
+    """Where a tensor for a collective on the default group lives: NCCL only takes CUDA
+    tensors (the rank's current device), Gloo and the rest take CPU ones."""
+    if str(dist.get_backend()).lower() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class OomcastTrainerCallback:
+    """A Hugging Face ``TrainerCallback``: samples at every optimizer step, saves when a
+    checkpoint is requested on any rank (``control.should_save`` on every rank) and reports
+    the save once done, on each rank that had a request. Events it does not use are
+    accepted and ignored, whatever ``transformers`` adds."""
+
+    def __init__(self, hook: MemoryHook | None = None, **hook_kwargs: Any) -> None:
+        self._owns_hook = hook is None
+        self.hook = hook if hook is not None else MemoryHook(**hook_kwargs)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.hook.step()
+        # every rank takes part, request or not: all of them must save at the same step
+        if any_rank(self.hook.checkpoint_requested):
+            control.should_save = True
+        return control
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        # called after every save, on every rank; any save answers this rank's pending
+        # requests, and a rank without one (it saved for another rank's) reports nothing
+        if self.hook.checkpoint_requested:
+            self.hook.checkpoint_done(hf_checkpoint_dir(args, state))
+        return control
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self._owns_hook:
+            self.hook.close()
+        return control
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("on_"):
+            return _noop
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+def hf_checkpoint_dir(args: Any, state: Any) -> str:
+    """Where ``transformers``' Trainer writes the checkpoint of ``state.global_step``."""
+    return os.path.join(str(args.output_dir), f"checkpoint-{state.global_step}")
+
+
+class _LightningLogic:
+    """What the Lightning callback does; mixed with Lightning's ``Callback`` on first use."""
+
+    def __init__(
+        self,
+        hook: MemoryHook | None = None,
+        *,
+        dirpath: str | os.PathLike[str] | None = None,
+        **hook_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        self._owns_hook = hook is None
+        self.hook = hook if hook is not None else MemoryHook(**hook_kwargs)
+        self.dirpath = None if dirpath is None else os.fspath(dirpath)
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.hook.step()
+        if self.any_rank_requested(trainer, self.hook.checkpoint_requested):
+            self.save_requested_checkpoint(trainer)
+
+    @staticmethod
+    def any_rank_requested(trainer: Any, requested: bool) -> bool:
+        """Whether any rank has a request, through the strategy's
+        ``reduce_boolean_decision`` (a collective: every rank calls it at every batch).
+        One process, or a strategy without it: this rank's own ``requested``."""
+        world = getattr(trainer, "world_size", None)
+        if isinstance(world, int) and world <= 1:
+            return requested
+        reduce = getattr(getattr(trainer, "strategy", None), "reduce_boolean_decision", None)
+        if reduce is None:
+            return requested
+        try:
+            takes_all = "all" in inspect.signature(reduce).parameters
+        except (TypeError, ValueError):
+            takes_all = True
+        if takes_all:
+            return bool(reduce(requested, all=False))
+        # older releases only decide "on every rank": any rank = not (every rank not)
+        return not reduce(not requested)
+
+    def save_requested_checkpoint(self, trainer: Any) -> None:
+        """Save (every rank calls this at the same batch) and answer this rank's pending
+        requests; a rank that had none saved for another's and reports nothing."""
+        path = self.checkpoint_path(trainer)
+        try:
+            trainer.save_checkpoint(path)
+        except Exception:
+            # a failed requested save must not end the training it was meant to protect
+            log.exception("oomcast: the requested checkpoint %s could not be saved", path)
+            if self.hook.checkpoint_requested:
+                self.hook.checkpoint_done(path, ok=False)
+            return
+        if self.hook.checkpoint_requested:
+            self.hook.checkpoint_done(path)
+
+    def checkpoint_path(self, trainer: Any) -> str:
+        dirpath = self.dirpath
+        if dirpath is None:
+            dirpath = getattr(getattr(trainer, "checkpoint_callback", None), "dirpath", None)
+        if dirpath is None:
+            dirpath = os.path.join(str(trainer.default_root_dir), "checkpoints")
+        return os.path.join(str(dirpath), f"oomcast-step={trainer.global_step}.ckpt")
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.hook.is_oom(exception):
+            self.hook.report_oom(exception)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._owns_hook:
+            self.hook.close()
+
+
+_LIGHTNING_CLASSES: dict[type, type] = {}
+
+
+def lightning_callback_class() -> type:
+    """``OomcastLightningCallback``, a subclass of Lightning's ``Callback``, made (once) by
+    importing ``lightning`` or else ``pytorch_lightning``."""
+    try:
+        from lightning.pytorch import Callback
+    except ImportError:
+        try:
+            from pytorch_lightning import Callback
+        except ImportError as exc:
+            raise ImportError(
+                "OomcastLightningCallback needs PyTorch Lightning: pip install lightning"
+                " (or pytorch-lightning); for a plain training loop call hook.step() yourself"
+            ) from exc
+    cls = _LIGHTNING_CLASSES.get(Callback)
+    if cls is None:
+        cls = type(
+            "OomcastLightningCallback",
+            (_LightningLogic, Callback),
+            {"__module__": __name__, "__doc__": _LightningLogic.__doc__},
+        )
+        _LIGHTNING_CLASSES[Callback] = cls
+    return cls
+
+
+def OomcastLightningCallback(
+    hook: MemoryHook | None = None,
+    *,
+    dirpath: str | os.PathLike[str] | None = None,
+    **hook_kwargs: Any,
+) -> Any:
+    """A Lightning callback: samples after every training batch; when a checkpoint is
+    requested (on any rank: see the module docstring), saves one with
+    ``trainer.save_checkpoint`` (into ``dirpath``, else the
+    ``ModelCheckpoint``'s directory, else ``default_root_dir/checkpoints``) and reports it;
+    reports an OOM that ends the fit. Raises ImportError without Lightning."""
+    return lightning_callback_class()(hook, dirpath=dirpath, **hook_kwargs)

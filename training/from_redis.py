@@ -1,0 +1,136 @@
+"""Turn what the collectors streamed to Redis into a labelled trace (``oomcast dump``).
+
+This closes the loop for retraining: a job that really died on a node left its samples in
+the node's sample stream and its ``oom`` event (from the cgroup source, or the in-process
+hook's OOM observer) in the events stream. Reading both back, keeping one node (and
+optionally some devices and a time range), gives a trace in the format of DESIGN.md that
+``oomcast evaluate`` scores and ``oomcast train`` learns from.
+
+Samples are written in time order per domain; a repeated sample (at-least-once delivery
+can send an entry twice, and a sample of the same domain at the same ts is the same sample)
+is kept once and counted. Events of other nodes are left out. Entries that do not decode are
+counted and skipped, never guessed at. The streams are capped (``MAXLEN``), so a dump holds
+what they still hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from oomcast.model.schema import Domain, Event, Record, Sample, SchemaError
+from oomcast.model.trace import write_trace
+from oomcast.model.wire import Keys, decode_event, decode_samples
+
+
+@dataclass
+class DumpResult:
+    path: Path
+    samples: int
+    events: int
+    ooms: int
+    domains: list[str]
+    skipped_entries: int
+    duplicates: int
+
+
+def _ms(ts: float | None) -> str:
+    return "-" if ts is None else str(int(ts * 1000))
+
+
+def _entries(client: redis.Redis, key: str, start: str, end: str) -> Iterable[dict]:  # type: ignore[type-arg]
+    """Every entry of a stream between two ids, a thousand at a time."""
+    low = start
+    while True:
+        batch = client.xrange(key, min=low, max=end, count=1000)
+        if not batch:
+            return
+        for _entry_id, fields in batch:
+            yield fields
+        last = batch[-1][0]
+        low = "(" + (last.decode() if isinstance(last, bytes) else str(last))
+
+
+def read_node(
+    client: redis.Redis,
+    keys: Keys,
+    node: str,
+    *,
+    devices: set[str] | None = None,
+    since: float | None = None,
+    until: float | None = None,
+) -> tuple[list[Record], dict[str, int]]:
+    """Samples and events of ``node`` (and ``devices``, if given) between two unix times."""
+    counts = {"skipped_entries": 0, "duplicates": 0}
+    start, end = _ms(since), "+" if until is None else _ms(until)
+    per_domain: dict[Domain, dict[float, Sample]] = {}
+    for fields in _entries(client, keys.samples_for(node), start, end):
+        try:
+            decoded = decode_samples(fields)
+        except SchemaError:
+            counts["skipped_entries"] += 1
+            continue
+        for d in decoded:
+            if isinstance(d, SchemaError):
+                continue
+            s = d.sample
+            if s.node != node or (devices is not None and s.device not in devices):
+                continue
+            bucket = per_domain.setdefault(s.domain, {})
+            if s.ts in bucket:
+                counts["duplicates"] += 1
+                continue
+            bucket[s.ts] = s
+    events: list[Event] = []
+    for fields in _entries(client, keys.events, start, end):
+        try:
+            ev = decode_event(fields)
+        except SchemaError:
+            counts["skipped_entries"] += 1
+            continue
+        if ev.node == node and (devices is None or ev.device in devices):
+            events.append(ev)
+    records: list[Record] = []
+    for bucket in per_domain.values():
+        records.extend(bucket[ts] for ts in sorted(bucket))
+    seen_events: set[tuple[float, str, str]] = set()
+    for ev in events:
+        key = (ev.ts, ev.device, ev.event)
+        if key in seen_events:
+            counts["duplicates"] += 1
+            continue
+        seen_events.add(key)
+        records.append(ev)
+    records.sort(key=lambda r: (r.ts, isinstance(r, Event)))
+    return records, counts
+
+
+def dump_trace(
+    client: redis.Redis,
+    keys: Keys,
+    node: str,
+    out: Path | str,
+    *,
+    devices: set[str] | None = None,
+    since: float | None = None,
+    until: float | None = None,
+) -> DumpResult:
+    records, counts = read_node(client, keys, node, devices=devices, since=since, until=until)
+    samples = [r for r in records if isinstance(r, Sample)]
+    if not samples:
+        where = f" devices {sorted(devices)}" if devices else ""
+        raise ValueError(f"no samples of node {node!r}{where} in {keys.samples_for(node)}")
+    path = Path(out)
+    write_trace(path, records)
+    events = [r for r in records if isinstance(r, Event)]
+    return DumpResult(
+        path=path,
+        samples=len(samples),
+        events=len(events),
+        ooms=sum(1 for e in events if e.event == "oom"),
+        domains=sorted({s.device for s in samples}),
+        **counts,
+    )

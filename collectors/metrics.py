@@ -19,7 +19,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -57,7 +57,7 @@ def render(samples: Iterable[MetricSample]) -> str:
     return "\n".join(line for block in blocks.values() for line in block) + "\n"
 
 
-def agent_samples(agent: NodeAgent) -> list[MetricSample]:
+def agent_samples(agent: NodeAgent, extra: Sequence[Any] = ()) -> list[MetricSample]:
     st, pub = agent.stats, agent.publisher.stats
     out: list[MetricSample] = [
         ("oomcast_agent_ticks_total", "counter", "Ticks of the sampling loop.", {}, st.ticks),
@@ -123,20 +123,32 @@ def agent_samples(agent: NodeAgent) -> list[MetricSample]:
                 st.source_errors.get(name, 0),
             )
         )
-        extra = getattr(source, "metric_samples", None)
-        if callable(extra):
+        figures = getattr(source, "metric_samples", None)
+        if callable(figures):
             try:
-                out.extend(extra())
+                out.extend(figures())
             except Exception as exc:  # a broken figure must not take /metrics down
                 log.warning("metrics of source %s failed: %s", name, exc)
+    for part in extra:
+        try:
+            out.extend(part.metric_samples())
+        except Exception as exc:
+            log.warning("metrics of %s failed: %s", type(part).__name__, exc)
     return out
 
 
 class AgentHTTP:
     """Serve the agent's endpoints from a daemon thread."""
 
-    def __init__(self, agent: NodeAgent, host: str = "127.0.0.1", port: int = 9101) -> None:
+    def __init__(
+        self,
+        agent: NodeAgent,
+        host: str = "127.0.0.1",
+        port: int = 9101,
+        extra: Sequence[Any] = (),
+    ) -> None:
         self.agent = agent
+        self.extra = list(extra)  # more things with metric_samples(): the control listener
         self.started = time.monotonic()
         owner = self
 
@@ -144,7 +156,11 @@ class AgentHTTP:
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    self._send(200, render(agent_samples(owner.agent)), "text/plain; version=0.0.4")
+                    self._send(
+                        200,
+                        render(agent_samples(owner.agent, owner.extra)),
+                        "text/plain; version=0.0.4",
+                    )
                 elif path == "/livez":
                     ok, why = owner.live()
                     self._send(200 if ok else 503, why + "\n", "text/plain")

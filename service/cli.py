@@ -58,11 +58,17 @@ def _default_cgroup_root() -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
+    from pydantic import ValidationError
 
     from oomcast.service.main import create_app
     from oomcast.service.settings import Settings
 
-    app = create_app(Settings())
+    try:
+        settings = Settings()
+    except ValidationError as exc:  # a bad OOMCAST_* value or rule file: say which, and stop
+        problems = [str(e["msg"]).removeprefix("Value error, ") for e in exc.errors()]
+        raise UsageError("; ".join(problems)) from None
+    app = create_app(settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -183,6 +189,8 @@ def cmd_collect(args: argparse.Namespace) -> int:
     if any(isinstance(s, _replay_type()) for s in sources):
         intervals.append(0.05)
     agent = NodeAgent(sources, publisher, _keys_from_env(), interval_s=min(intervals))
+    listener = _control_listener(args, client, agent)
+    extra = [listener] if listener is not None else []
     http = None
     explicit = args.metrics_port is not None or bool(os.environ.get("OOMCAST_AGENT_METRICS_PORT"))
     port = (
@@ -194,7 +202,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
         from oomcast.collectors.metrics import AgentHTTP
 
         try:
-            http = AgentHTTP(agent, args.metrics_host, port).start()
+            http = AgentHTTP(agent, args.metrics_host, port, extra=extra).start()
         except OSError as exc:
             where = f"{args.metrics_host}:{port} ({exc.strerror})"
             if explicit:
@@ -209,8 +217,12 @@ def cmd_collect(args: argparse.Namespace) -> int:
         f"; metrics on http://{args.metrics_host}:{http.port}/metrics" if http else "",
     )
     try:
+        if listener is not None:
+            listener.start()
         agent.run(stop)
     finally:
+        if listener is not None:
+            listener.stop()
         if http is not None:
             http.close()
         for s in sources:
@@ -225,6 +237,39 @@ def cmd_collect(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0 if publisher.buffered_samples == 0 else 1
+
+
+def _control_listener(args: argparse.Namespace, client: Any, agent: Any) -> Any:
+    """The agent's side of the control path, when OOMCAST_CONTROL_SECRET is set: signed
+    commands from the service are verified, then carried out (checkpoint, shed)."""
+    secret = os.environ.get("OOMCAST_CONTROL_SECRET")
+    if not secret:
+        logging.getLogger(PROG).info("no OOMCAST_CONTROL_SECRET: this agent takes no commands")
+        return None
+    from oomcast.collectors.actions import CheckpointAction, ShedAction
+    from oomcast.collectors.control import ControlListener, make_resolve
+    from oomcast.collectors.procinfo import ProcResolver
+
+    nvml = next((s for s in agent.sources if getattr(s, "name", "") == "nvml"), None)
+    cgroups = next((s for s in agent.sources if getattr(s, "name", "") == "cgroup"), None)
+    uids = {int(u) for u in args.shed_uids.split(",") if u.strip()} if args.shed_uids else None
+    shed = ShedAction(
+        grace_s=args.shed_grace,
+        allowed_uids=uids,
+        cgroup_scope=args.shed_cgroup_scope,
+        proc_root=args.proc_root,
+    )
+    executors = {
+        "checkpoint": CheckpointAction(client, agent.keys, ack_timeout_s=args.checkpoint_timeout),
+        "shed": shed,
+    }
+    resolve = make_resolve(
+        nvml=nvml,
+        cgroup_root=cgroups.root if cgroups is not None else None,
+        procs=ProcResolver(args.proc_root, priorities=_priorities(args.priority)),
+        proc_root=args.proc_root,
+    )
+    return ControlListener(client, agent.keys, args.node, secret, executors, resolve)
 
 
 def _replay_type() -> type:
@@ -504,6 +549,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="samples kept while Redis is unreachable",
     )
     c.add_argument("--redis-url", default=None, help="default: $OOMCAST_REDIS_URL")
+    c.add_argument(
+        "--checkpoint-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a job has to report its checkpoint saved",
+    )
+    c.add_argument(
+        "--shed-grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL"
+    )
+    c.add_argument(
+        "--shed-uids",
+        default=None,
+        help="comma-separated uids whose processes may be shed (default: any but root's own"
+        " protections)",
+    )
+    c.add_argument(
+        "--shed-cgroup-scope",
+        default=None,
+        help="only shed processes whose cgroup path starts with this (e.g. /kubepods)",
+    )
     c.add_argument("--metrics-host", default="127.0.0.1", help="address of /metrics, /livez")
     c.add_argument(
         "--metrics-port",

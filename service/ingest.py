@@ -40,6 +40,17 @@ from oomcast.service.state import LiveState
 log = logging.getLogger(__name__)
 
 StreamEntries = list[tuple[bytes, dict[bytes, bytes] | None]]
+# What the node agents and in-job hooks report about actions: kept in the audit stream, next to
+# the alerts that caused them, so /v1/alerts tells the whole story of an episode.
+AUDITED_EVENTS = frozenset(
+    {
+        "action_result",
+        "command_refused",
+        "checkpoint_requested",
+        "checkpoint_done",
+        "checkpoint_failed",
+    }
+)
 APPLY_CHUNK = 4096  # samples forecast between two yields to the event loop
 EXPIRE_EVERY_S = 5.0
 
@@ -101,6 +112,9 @@ class Ingestor:
         self.ready = asyncio.Event()  # set once groups exist and our own backlog is drained
         self.last_ok = 0.0  # monotonic time of the last Redis round trip that worked
         self._audit_backlog: list[dict[str, Any]] = []
+        # Signed node commands the dispatcher made from this batch's alerts: written with
+        # the batch's audit records, before its ack.
+        self.outbox: list[tuple[str, dict[str, str]]] = []
         self._last_claim = 0.0
         self._last_expire = time.monotonic()
         self._stopping = False
@@ -255,9 +269,9 @@ class Ingestor:
                 if self.keys.partition_of(event.node) not in self.partitions:
                     continue  # another replica's node
                 self.metrics.events.labels(event=event.event).inc()
-                payload = self.live.on_event(event)
-                if payload is not None:
-                    fired.append(payload)
+                fired.extend(self.live.on_event(event))
+                if event.event in AUDITED_EVENTS:
+                    self._audit_backlog.append(_audit_record(event.event, fields))
         else:
             group = self.group
             samples, embs, arrived_ms = self._decode_samples(stream, entries, deadletters)
@@ -323,10 +337,12 @@ class Ingestor:
             self.metrics.alerts.labels(status=payload["status"]).inc()
             self.on_alert(payload)
         self._audit_backlog.extend(fired)
-        if self._audit_backlog or deadletters:
+        if self._audit_backlog or deadletters or self.outbox:
             # Records first, in their own round trip: a pipeline runs every command even when
             # one fails, and the ack must not go through unless the records did.
             pipe = self.client.pipeline(transaction=False)
+            for control_stream, command in self.outbox:
+                pipe.xadd(control_stream, command, maxlen=1000, approximate=True)
             for payload in self._audit_backlog:
                 pipe.xadd(
                     self.keys.alerts,
@@ -338,6 +354,7 @@ class Ingestor:
                 pipe.xadd(self.keys.deadletter, dl, maxlen=self.deadletter_maxlen, approximate=True)
             await pipe.execute()
             self._audit_backlog.clear()
+            self.outbox.clear()
             self.metrics.deadletters.inc(len(deadletters))
         if stream is not None and ids:
             await self.client.xack(stream, group or self.group, *ids)
@@ -352,6 +369,22 @@ class Ingestor:
             if key not in out:
                 out[f"orig.{key}"] = v
         return out
+
+
+def _audit_record(name: str, fields: dict[Any, Any]) -> dict[str, Any]:
+    """The event as its sender wrote it (with the keys readers do not model), marked so."""
+    raw = fields.get(b"event", fields.get("event"))
+    try:
+        obj = json.loads(raw) if raw is not None else {}
+    except ValueError:
+        obj = {}
+    if not isinstance(obj, dict):
+        obj = {}
+    obj.setdefault("event", name)
+    obj["record"] = "event"
+    if "id" in obj:  # the command's id; "id" in /v1/alerts is the audit entry's own
+        obj["command_id"] = obj.pop("id")
+    return obj
 
 
 def _reason(exc: Exception) -> str:

@@ -16,10 +16,13 @@ from fastapi.responses import JSONResponse
 
 from oomcast.model.wire import Keys
 from oomcast.service import forecaster
-from oomcast.service.api.routes import alerts, devices, health, predict, samples
+from oomcast.service.actions import Dispatcher
+from oomcast.service.alertmanager import AlertmanagerSender
+from oomcast.service.api.routes import alerts, devices, health, predict, rules, samples
 from oomcast.service.context import ServiceContext
 from oomcast.service.ingest import Ingestor
 from oomcast.service.metrics import Metrics
+from oomcast.service.rules import load_rules
 from oomcast.service.settings import Settings
 from oomcast.service.state import LiveState
 from oomcast.service.webhook import WebhookSender
@@ -36,7 +39,9 @@ def build_context(settings: Settings) -> ServiceContext:
     metrics.model.info(
         {"version": detector.forecaster.version, "kind": choice.kind, "provider": choice.provider}
     )
-    live = LiveState(detector.forecaster, policy, settings.history_len)
+    rules = load_rules(settings.rules_path(), policy)
+    log.info("rules from %s: %s", settings.rules_path(), "; ".join(r.describe() for r in rules))
+    live = LiveState(detector.forecaster, policy, settings.history_len, rules=rules)
     client = aioredis.from_url(
         settings.redis_url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=30
     )
@@ -52,6 +57,23 @@ def build_context(settings: Settings) -> ServiceContext:
             queue_size=settings.webhook_queue,
             on_result=lambda result: metrics.webhooks.labels(result=result).inc(),
         )
+    alertmanager = None
+    if settings.alertmanager_url:
+        alertmanager = AlertmanagerSender(
+            settings.alertmanager_url,
+            resend_s=settings.alertmanager_resend_s,
+            on_result=lambda result: metrics.alertmanager.labels(result=result).inc(),
+        )
+    secret = settings.control_secret.get_secret_value() if settings.control_secret else None
+    dispatcher = Dispatcher(
+        keys,
+        rules,
+        webhook=webhooks.submit if webhooks else None,
+        alertmanager=alertmanager.submit if alertmanager else None,
+        control_secret=secret,
+        command_ttl_s=settings.control_ttl_s,
+        on_command=lambda action, mode: metrics.commands.labels(action=action, mode=mode).inc(),
+    )
     ingestor = Ingestor(
         client,
         keys,
@@ -64,8 +86,9 @@ def build_context(settings: Settings) -> ServiceContext:
         read_count=settings.read_count,
         claim_idle_ms=settings.claim_idle_ms,
         alerts_maxlen=settings.alerts_maxlen,
-        on_alert=webhooks.submit if webhooks else None,
+        on_alert=dispatcher.submit,
     )
+    dispatcher.outbox = ingestor.outbox
     return ServiceContext(
         settings,
         keys,
@@ -78,6 +101,9 @@ def build_context(settings: Settings) -> ServiceContext:
         forecaster_kind=choice.kind,
         forecaster_reason=choice.reason,
         provider=choice.provider,
+        alertmanager=alertmanager,
+        rules=rules,
+        dispatcher=dispatcher,
     )
 
 
@@ -90,6 +116,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.ctx = ctx
         if ctx.webhooks:
             await ctx.webhooks.start()
+        if ctx.alertmanager:
+            await ctx.alertmanager.start()
         ctx.tasks.append(asyncio.create_task(ctx.ingestor.run(), name="ingest"))  # tasks[0]
         try:
             yield
@@ -97,6 +125,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await ctx.ingestor.stop(ctx.tasks[0])
             if ctx.webhooks:
                 await ctx.webhooks.stop()
+            if ctx.alertmanager:
+                await ctx.alertmanager.stop()
             await ctx.redis.aclose()
 
     app = FastAPI(
@@ -114,7 +144,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ]
         return JSONResponse(status_code=422, content={"detail": errors})
 
-    for module in (predict, samples, devices, alerts):
+    for module in (predict, samples, devices, alerts, rules):
         app.include_router(module.router, prefix="/v1")
     app.include_router(health.router)
     return app

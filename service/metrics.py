@@ -36,6 +36,18 @@ class Metrics:
         self.webhooks = Counter(
             "oomcast_webhook_deliveries_total", "Webhook delivery outcomes", ["result"], registry=r
         )
+        self.alertmanager = Counter(
+            "oomcast_alertmanager_deliveries_total",
+            "Alertmanager delivery outcomes",
+            ["result"],
+            registry=r,
+        )
+        self.commands = Counter(
+            "oomcast_node_commands_total",
+            "Signed commands sent to node agents",
+            ["action", "mode"],
+            registry=r,
+        )
         self.redis_up = Gauge(
             "oomcast_redis_up", "1 when the last Redis call succeeded", registry=r
         )

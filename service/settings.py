@@ -73,6 +73,14 @@ class Settings(BaseSettings):
     webhook_backoff_max_s: float = Field(30.0, gt=0)
     webhook_queue: int = Field(1000, ge=1)
 
+    alertmanager_url: str | None = None  # e.g. http://alertmanager:9093
+    alertmanager_resend_s: float = Field(60.0, gt=0)
+
+    # Rules (service/default_rules.yaml when unset) and the key that signs node commands.
+    rules: str | None = None
+    control_secret: SecretStr | None = None
+    control_ttl_s: float = Field(30.0, gt=0, le=600)
+
     api_token: SecretStr | None = None
     history_len: int = Field(600, ge=10, description="samples kept per domain for /v1/devices")
     live_after_s: float = Field(600.0, gt=0, description="a domain silent this long is dropped")
@@ -96,6 +104,20 @@ class Settings(BaseSettings):
             raise ValueError(f"OOMCAST_WEBHOOK_URL must be an http(s) URL: {v!r}")
         return v
 
+    @field_validator("alertmanager_url")
+    @classmethod
+    def _alertmanager_url(cls, v: str | None) -> str | None:
+        if v in (None, ""):
+            return None
+        if urlparse(v).scheme not in ("http", "https") or not urlparse(v).netloc:
+            raise ValueError(f"OOMCAST_ALERTMANAGER_URL must be an http(s) URL: {v!r}")
+        return v.rstrip("/")
+
+    def rules_path(self) -> str:
+        from oomcast.service.rules import DEFAULT_RULES
+
+        return self.rules or str(DEFAULT_RULES)
+
     def owned_partitions(self) -> list[int]:
         if not self.partitions_owned.strip():
             return list(range(self.partitions))
@@ -116,6 +138,9 @@ class Settings(BaseSettings):
                 " not tell our alerts from forged ones; set a secret"
             )
         self.owned_partitions()  # refuses a bad OOMCAST_PARTITIONS_OWNED at start-up
+        from oomcast.service.rules import check_rules_file
+
+        check_rules_file(self.rules_path())  # refuses a bad rule at start-up, naming it
         if self.alert_resolve_risk >= self.alert_fire_risk:
             raise ValueError(
                 f"OOMCAST_ALERT_RESOLVE_RISK ({self.alert_resolve_risk}) must be below"

@@ -17,6 +17,7 @@ from oomcast.model.forecast import Forecast, Forecaster, release_state
 from oomcast.model.schema import Domain, Event, Sample, SchemaError
 from oomcast.service import alerts
 from oomcast.service.alerts import AlertPolicy, AlertTracker
+from oomcast.service.rules import Rule, Tracker, end_episode, rule_payload, step_rule
 
 
 @dataclass(slots=True)
@@ -41,6 +42,7 @@ class DomainState:
     last_oom_ts: float | None = None
     last_seen_wall: float = 0.0
     job: str | None = None
+    trackers: dict[str, Tracker] = field(default_factory=dict)  # per rule, when rules run
 
     def summary(self, horizon_s: int) -> dict[str, Any]:
         s, f = self.last, self.forecast
@@ -58,14 +60,29 @@ class DomainState:
             "alert_risk": round(f.risk_at(horizon_s), 4),
             "time_to_oom_s": None if f.time_to_oom_s is None else round(f.time_to_oom_s, 1),
             "model_version": f.model_version,
-            "alert": {
-                "firing": self.alert.firing,
-                "episode": self.alert.episode,
-                "fired_at": self.alert.fired_at,
-            },
+            "alert": self._alert_summary(),
             "samples_seen": self.samples_seen,
             "ooms_seen": self.ooms_seen,
             "last_oom_ts": self.last_oom_ts,
+        }
+
+    def _alert_summary(self) -> dict[str, Any]:
+        if not self.trackers:
+            return {
+                "firing": self.alert.firing,
+                "episode": self.alert.episode,
+                "fired_at": self.alert.fired_at,
+            }
+        firing = {n: t for n, t in self.trackers.items() if t.firing}
+        first = min(firing.values(), key=lambda t: t.fired_at or 0.0) if firing else None
+        return {
+            "firing": bool(firing),
+            "episode": first.episode if first else None,
+            "fired_at": first.fired_at if first else None,
+            "rules": {
+                n: {"firing": t.firing, "episode": t.episode, "suppressed": t.suppressed}
+                for n, t in self.trackers.items()
+            },
         }
 
 
@@ -89,11 +106,35 @@ class Applied:
 
 
 class LiveState:
-    def __init__(self, forecaster: Forecaster, policy: AlertPolicy, history_len: int = 600) -> None:
+    """``policy`` sets the horizon shown and ranked by; with ``rules`` (the service always
+    passes them) every rule keeps its own episode per domain, else ``policy`` alone alerts."""
+
+    def __init__(
+        self,
+        forecaster: Forecaster,
+        policy: AlertPolicy,
+        history_len: int = 600,
+        rules: list[Rule] | None = None,
+    ) -> None:
         self.forecaster = forecaster
         self.policy = policy
         self.history_len = history_len
+        self.rules = rules
         self.domains: dict[Domain, DomainState] = {}
+
+    def _end_rules(self, st: DomainState, reason: str, *, new_job: bool) -> list[dict[str, Any]]:
+        """End every firing episode of the domain with a resolved alert saying why."""
+        out = []
+        for rule in self.rules or []:
+            tracker = st.trackers.get(rule.name)
+            if tracker is None:
+                continue
+            if tracker.firing and st.last is not None and st.forecast is not None:
+                out.append(
+                    rule_payload("resolved", rule, tracker, st.last, st.forecast, reason, st.job)
+                )
+            end_episode(tracker, forget_cooldown=new_job)
+        return out
 
     def _state(self, domain: Domain) -> DomainState:
         st = self.domains.get(domain)
@@ -155,6 +196,9 @@ class LiveState:
                 # their embedding computed in this state, so it must restart the same way.
                 release_state(self.forecaster, st.forecaster_state)
                 st.forecaster_state = self.forecaster.init_state()
+                result.alerts.extend(
+                    self._end_rules(st, f"job {sample.job} replaced {st.job}", new_job=True)
+                )
             st.last = sample
             batch.append((st, sample, emb))
         if not batch:
@@ -180,36 +224,51 @@ class LiveState:
                     fc.time_to_oom_s,
                 )
             )
-            payload = alerts.update(st.alert, self.policy, sample, fc)
-            if payload is not None:
-                payload["job"] = st.job
-                result.alerts.append(payload)
+            if self.rules is None:
+                payload = alerts.update(st.alert, self.policy, sample, fc)
+                if payload is not None:
+                    payload["job"] = st.job
+                    result.alerts.append(payload)
+            else:
+                for rule in self.rules:
+                    tracker = st.trackers.get(rule.name)
+                    if tracker is None:
+                        tracker = st.trackers[rule.name] = Tracker()
+                    payload = step_rule(tracker, rule, sample, fc, st.job)
+                    if payload is not None:
+                        result.alerts.append(payload)
             result.forecasts.append((st, fc))
 
-    def on_event(self, event: Event, now_wall: float | None = None) -> dict[str, Any] | None:
-        """Record an event; an OOM ends the domain's episode and restarts its forecaster."""
+    def on_event(self, event: Event, now_wall: float | None = None) -> list[dict[str, Any]]:
+        """Record an event; an OOM ends the domain's episodes and restarts its forecaster."""
         if event.event != "oom":
-            return None
+            return []
         st = self._state(event.domain)
         st.last_seen_wall = time.time() if now_wall is None else now_wall
         st.ooms_seen += 1
         st.last_oom_ts = max(event.ts, st.last_oom_ts or event.ts)
-        payload = None
-        if st.alert.firing and st.last is not None and st.forecast is not None:
-            payload = alerts.alert_payload(
-                "resolved",
-                st.last,
-                st.forecast,
-                st.alert,
-                self.policy,
-                "the job ran out of memory",
-                job=event.job or st.job,
+        out: list[dict[str, Any]] = []
+        if self.rules is not None:
+            if event.job:
+                st.job = event.job
+            out = self._end_rules(st, "the job ran out of memory", new_job=True)
+        elif st.alert.firing and st.last is not None and st.forecast is not None:
+            out.append(
+                alerts.alert_payload(
+                    "resolved",
+                    st.last,
+                    st.forecast,
+                    st.alert,
+                    self.policy,
+                    "the job ran out of memory",
+                    job=event.job or st.job,
+                )
             )
         alerts.reset(st.alert)
         # The job that OOMed is gone; its successor starts from a clean slate.
         release_state(self.forecaster, st.forecaster_state)
         st.forecaster_state = self.forecaster.init_state()
-        return payload
+        return out
 
     def expire(self, now_wall: float, live_after_s: float) -> list[dict[str, Any]]:
         """Forget domains silent for ``live_after_s``; a firing episode ends with a resolved
@@ -218,8 +277,9 @@ class LiveState:
         for domain, st in list(self.domains.items()):
             if now_wall - st.last_seen_wall <= live_after_s:
                 continue
+            reason = f"no samples for {now_wall - st.last_seen_wall:.0f}s"
+            out.extend(self._end_rules(st, reason, new_job=True))
             if st.alert.firing and st.last is not None and st.forecast is not None:
-                reason = f"no samples for {now_wall - st.last_seen_wall:.0f}s"
                 out.append(
                     alerts.alert_payload(
                         "resolved", st.last, st.forecast, st.alert, self.policy, reason, job=st.job

@@ -116,7 +116,7 @@ def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
 class WebhookReceiver:
     """A real HTTP server that records every POST; ``statuses`` scripts its answers."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.requests: list[dict[str, Any]] = []
         self.statuses: list[int] = []  # answered in order; 200 once exhausted
         self._lock = threading.Lock()
@@ -143,7 +143,7 @@ class WebhookReceiver:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()

@@ -625,6 +625,7 @@ def test_oomcast_env_is_known() -> None:
         "OOMCAST_PARTITIONS",
         "OOMCAST_STREAM_MAXLEN",
         "OOMCAST_LOG_LEVEL",
+        "OOMCAST_CONTROL_SECRET",  # verifies the service's commands (collectors/control.py)
     }
     hook_env = pod_env | {"OOMCAST_REDIS_URL", "OOMCAST_JOB", "OOMCAST_PRIORITY"}
     for _, _, _, c in workloads():

@@ -78,8 +78,19 @@ def test_replayed_oom_fires_a_signed_webhook_before_the_oom(
     assert req["at"] * 1000 < int(oom_entry[0].split(b"-")[0])
     # The OOM ends the episode with a resolved notification, and the audit stream has both.
     assert webhook_receiver.wait_for(lambda r: r["json"]["status"] == "resolved")
-    statuses = [a["status"] for a in httpx.get(f"{base}/v1/alerts").json()["alerts"]]
+    audit = httpx.get(f"{base}/v1/alerts").json()["alerts"]
+    statuses = [a["status"] for a in audit if a.get("rule_name") == "oom-forecast"]
     assert statuses == ["resolved", "firing"]
+    # each record says what was done with it: the webhook queued; no Alertmanager and no
+    # control secret configured here, so those actions are recorded as not configured
+    firing = next(
+        a for a in audit if a.get("rule_name") == "oom-forecast" and a["status"] == "firing"
+    )
+    assert firing["dispatched"] == {
+        "webhook": "queued",
+        "alertmanager": "not_configured",
+        "checkpoint": "not_configured",
+    }
 
 
 def test_replayed_trace_without_oom_fires_nothing(

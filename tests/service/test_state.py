@@ -34,8 +34,8 @@ def test_out_of_order_is_rejected_and_redelivery_is_a_duplicate() -> None:
 def test_oom_resolves_resets_and_skips_samples_read_late() -> None:
     st = live_state()
     st.apply([sample(1.0, 0.95)], now_wall=100.0)
-    payload = st.on_event(Event(5.0, "n1", "gpu0", "oom"), now_wall=100.0)
-    assert payload is not None and payload["status"] == "resolved"
+    [payload] = st.on_event(Event(5.0, "n1", "gpu0", "oom"), now_wall=100.0)
+    assert payload["status"] == "resolved"
     assert "out of memory" in payload["reason"]
     # Samples of the dead job arriving after its OOM event neither fire nor forecast.
     late = st.apply([sample(3.0, 0.97), sample(4.0, 0.98)], now_wall=101.0)

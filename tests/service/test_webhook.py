@@ -96,3 +96,41 @@ def test_a_domains_alerts_arrive_in_order_despite_retries(webhook_receiver) -> N
     ]
     gpu0 = [s for d, s in delivered if d == "gpu0"]
     assert gpu0 == ["firing", "resolved"]
+
+
+def test_a_receiver_that_is_down_delays_nothing_and_gets_the_alerts_when_back() -> None:
+    import time
+
+    from conftest import WebhookReceiver, free_port
+
+    port = free_port()  # nothing listens there yet
+    results: list[str] = []
+    receiver: list[WebhookReceiver] = []
+
+    async def scenario() -> float:
+        sender = WebhookSender(
+            f"http://127.0.0.1:{port}/hook",
+            SECRET,
+            backoff_s=0.1,
+            backoff_max_s=0.5,
+            max_attempts=8,
+            on_result=results.append,
+        )
+        await sender.start()
+        t0 = time.perf_counter()
+        for i in range(50):  # alerts of 50 domains while the receiver is down
+            assert sender.submit({"status": "firing", "node": "n", "device": f"gpu{i}"})
+        took = time.perf_counter() - t0
+        await asyncio.sleep(0.5)
+        receiver.append(WebhookReceiver(port))  # it comes back
+        await sender.stop(grace_s=10.0)
+        return took
+
+    took = asyncio.run(scenario())
+    try:
+        assert took < 0.05, f"submitting while the receiver is down took {took:.3f}s"
+        assert "retry" in results  # it really was down at first
+        assert results.count("delivered") == 50
+        assert {r["json"]["device"] for r in receiver[0].requests} == {f"gpu{i}" for i in range(50)}
+    finally:
+        receiver[0].close()

@@ -1,0 +1,368 @@
+"""Push oomcast's alerts to Prometheus Alertmanager (``POST /api/v2/alerts``), off the ingest path.
+
+The lifecycle is the webhook sender's: ``submit`` never waits (a full queue drops the alert and
+counts the drop), deliveries run as background tasks with exponential backoff up to a cap.
+
+Alertmanager keeps an alert active until its ``endsAt`` passes, so a firing alert is posted
+with ``endsAt`` a few re-send periods ahead and re-sent every ``resend_s`` while its episode
+fires (what Alertmanager asks of its clients); a resolved one is posted with ``endsAt`` = the
+time it resolved, which ends it at once. If oomcast dies mid-episode, or a resolve is lost,
+the alert still ends on its own within ``max(3 * resend_s, 5 min)``.
+
+Deliveries of one alert, keyed by (node, device, alertname), stay in order: a resolve never
+lands before an older firing that is still being retried (Alertmanager would take that late
+firing as the newest word and bring the alert back). A re-send is skipped while an earlier
+delivery of the same alert is still queued or retrying, and one that failed outright is made
+good by the next re-send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ALERTNAME = "OomcastOOMForecast"
+DEFAULT_SEVERITY = "warning"
+MIN_LEASE_S = 300.0  # a firing alert's endsAt is at least this far ahead of its sending
+GIB = float(1 << 30)
+
+AlertKey = tuple[str, str, str]  # (node, device, alertname)
+
+
+def rfc3339(ts: float) -> str:
+    """A Unix time as RFC 3339 in UTC with a 'Z', to the millisecond."""
+    return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="milliseconds")[:-6] + "Z"
+
+
+def alert_key(payload: dict[str, Any]) -> AlertKey:
+    return (
+        str(payload.get("node") or ""),
+        str(payload.get("device") or ""),
+        str(payload.get("rule_name") or DEFAULT_ALERTNAME),
+    )
+
+
+def labels_for(payload: dict[str, Any]) -> dict[str, str]:
+    node, device, alertname = alert_key(payload)
+    labels = {
+        "alertname": alertname,
+        "node": node,
+        "device": device,
+        "severity": str(payload.get("severity") or DEFAULT_SEVERITY),
+    }
+    if payload.get("job") is not None:
+        labels["job"] = str(payload["job"])
+    # Alertmanager treats an empty label value as no label at all; say so here too.
+    return {k: v for k, v in labels.items() if v != ""}
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _risks(payload: dict[str, Any]) -> list[tuple[float, float]]:
+    out = []
+    for h, p in (payload.get("risk") or {}).items():
+        with contextlib.suppress(TypeError, ValueError):
+            out.append((float(h), float(p)))
+    return sorted(out)
+
+
+def _headline_risk(payload: dict[str, Any]) -> tuple[float, float] | None:
+    """The (horizon, risk) to quote: the rule's horizon when the payload or its rule text
+    names one, else the shortest horizon that covers the time to OOM, else the riskiest."""
+    risks = _risks(payload)
+    if not risks:
+        return None
+    by_h = dict(risks)
+    wanted = payload.get("horizon_s")
+    if wanted is None:
+        m = re.search(r"within (\d+(?:\.\d+)?)\s*s", str(payload.get("rule") or ""))
+        wanted = m.group(1) if m else None
+    if wanted is not None:
+        with contextlib.suppress(TypeError, ValueError):
+            if float(wanted) in by_h:
+                return float(wanted), by_h[float(wanted)]
+    tto = payload.get("time_to_oom_s")
+    if tto is not None:
+        covering = [(h, p) for h, p in risks if h >= tto]
+        if covering:
+            return covering[0]
+    return max(risks, key=lambda hp: (hp[1], -hp[0]))
+
+
+def annotations_for(payload: dict[str, Any]) -> dict[str, str]:
+    node, device = payload.get("node"), payload.get("device")
+    tto = payload.get("time_to_oom_s")
+    headline = _headline_risk(payload)
+    risk_txt = f"risk {headline[1]:.2f} within {headline[0]:g} s" if headline else None
+    if payload.get("status") == "resolved":
+        summary = f"{device} on {node}: the OOM forecast has ended"
+        if payload.get("reason"):
+            summary += f" ({payload['reason']})"
+    elif tto is not None:
+        summary = f"{device} on {node} is forecast to run out of memory in ~{_duration(tto)}"
+        summary += f" ({risk_txt})" if risk_txt else ""
+    else:
+        summary = f"{device} on {node} is at risk of running out of memory"
+        summary += f" ({risk_txt})" if risk_txt else ""
+
+    parts = []
+    used, total = payload.get("used_bytes"), payload.get("total_bytes")
+    if used is not None and total:
+        parts.append(f"memory {used / GIB:.1f}/{total / GIB:.1f} GiB ({100 * used / total:.0f}%)")
+    elif used is not None:
+        parts.append(f"memory {used / GIB:.1f} GiB used")
+    if tto is not None:
+        parts.append(f"time_to_oom_s {tto:.0f}")
+    risks = _risks(payload)
+    if risks:
+        parts.append("risk " + " ".join(f"{h:g}s={p:.2f}" for h, p in risks))
+    for field in ("reason", "model_version", "episode", "rule", "action"):
+        if payload.get(field) not in (None, ""):
+            parts.append(f"{field} {payload[field]}")
+    out = {"summary": summary, "description": "; ".join(parts)}
+    if payload.get("episode"):
+        out["episode"] = str(payload["episode"])
+    return out
+
+
+@dataclass(slots=True)
+class _Delivery:
+    key: AlertKey
+    payload: dict[str, Any]
+    starts_at: float
+    ends_at: float | None  # None: firing, endsAt is set when each attempt is made
+
+
+@dataclass(slots=True)
+class _Firing:
+    payload: dict[str, Any]
+    starts_at: float
+    due: float  # time.monotonic() of the next re-send
+
+
+class AlertmanagerSender:
+    def __init__(
+        self,
+        url: str,
+        *,
+        resend_s: float = 60.0,
+        timeout_s: float = 5.0,
+        max_attempts: int = 6,
+        backoff_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        queue_size: int = 1000,
+        on_result: Callable[[str], None] | None = None,
+        generator_url: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if resend_s <= 0:
+            raise ValueError("resend_s must be positive")
+        self.url = url.rstrip("/") + "/api/v2/alerts"
+        self.resend_s = resend_s
+        self.lease_s = max(3 * resend_s, MIN_LEASE_S)
+        self.timeout_s = timeout_s
+        self.max_attempts = max_attempts
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.generator_url = generator_url
+        self._clock = clock
+        self._queue: asyncio.Queue[_Delivery] = asyncio.Queue(maxsize=queue_size)
+        self._on_result = on_result or (lambda result: None)
+        self._client: httpx.AsyncClient | None = None
+        self._worker: asyncio.Task[None] | None = None
+        self._resender: asyncio.Task[None] | None = None
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(32)
+        self._firing: dict[AlertKey, _Firing] = {}
+        self._pending: Counter[AlertKey] = Counter()  # queued or in flight, per alert
+        # The newest delivery per alert: the next one for that alert waits for it.
+        self._last_of_key: dict[AlertKey, asyncio.Task[None]] = {}
+
+    @property
+    def firing(self) -> list[AlertKey]:
+        """The alerts being kept alive by re-sends."""
+        return list(self._firing)
+
+    def submit(self, payload: dict[str, Any]) -> bool:
+        """Queue a firing or resolved alert; never waits. False if it was not queued."""
+        status = payload.get("status")
+        key = alert_key(payload)
+        now = self._clock()
+        if status == "firing":
+            fired_at = payload.get("fired_at")
+            starts_at = float(fired_at) if fired_at is not None else now
+            # Kept even when the queue is full: the next re-send delivers it.
+            self._firing[key] = _Firing(payload, starts_at, time.monotonic() + self.resend_s)
+            return self._enqueue(_Delivery(key, payload, starts_at, None))
+        if status == "resolved":
+            was = self._firing.pop(key, None)
+            fired_at = payload.get("fired_at")
+            if fired_at is not None:
+                starts_at = float(fired_at)
+            else:
+                starts_at = was.starts_at if was is not None else now
+            return self._enqueue(_Delivery(key, payload, min(starts_at, now), now))
+        log.error("alertmanager: ignored an alert with status %r for %s/%s", status, *key[:2])
+        return False
+
+    def _enqueue(self, delivery: _Delivery) -> bool:
+        try:
+            self._queue.put_nowait(delivery)
+        except asyncio.QueueFull:
+            self._on_result("dropped")
+            log.error(
+                "alertmanager queue full; dropped %s alert %s for %s/%s",
+                delivery.payload.get("status"),
+                delivery.key[2],
+                delivery.key[0],
+                delivery.key[1],
+            )
+            return False
+        self._pending[delivery.key] += 1
+        return True
+
+    async def start(self) -> None:
+        self._client = httpx.AsyncClient(timeout=self.timeout_s)
+        self._worker = asyncio.create_task(self._dispatch(), name="alertmanager-dispatch")
+        self._resender = asyncio.create_task(self._resend(), name="alertmanager-resend")
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Stop re-sending; give queued and in-flight deliveries ``grace_s`` to finish, then
+        cancel them. Alerts still firing in Alertmanager end when their ``endsAt`` passes."""
+        if self._resender:
+            self._resender.cancel()
+            await asyncio.gather(self._resender, return_exceptions=True)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace_s):
+                while not self._queue.empty() or self._inflight:
+                    await asyncio.sleep(0.05)
+        if self._worker:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+        for task in list(self._inflight):
+            task.cancel()
+        await asyncio.gather(*self._inflight, return_exceptions=True)
+        if self._client:
+            await self._client.aclose()
+
+    async def _resend(self) -> None:
+        while True:
+            now = time.monotonic()
+            wait = self.resend_s
+            for key, st in list(self._firing.items()):
+                if st.due <= now:
+                    st.due = now + self.resend_s
+                    # One still queued or retrying carries the same alert, fresher at its
+                    # next attempt: no need to stack another behind it.
+                    if self._pending[key] == 0:
+                        self._enqueue(_Delivery(key, st.payload, st.starts_at, None))
+                wait = min(wait, st.due - now)
+            await asyncio.sleep(max(wait, 0.01))
+
+    async def _dispatch(self) -> None:
+        while True:
+            delivery = await self._queue.get()
+            await self._slots.acquire()
+            key = delivery.key
+            before = self._last_of_key.get(key)
+            task = asyncio.create_task(self._deliver(delivery, after=before))
+            self._last_of_key[key] = task
+            self._inflight.add(task)
+            task.add_done_callback(lambda t, k=key: self._done(t, k))
+
+    def _done(self, task: asyncio.Task[None], key: AlertKey) -> None:
+        self._inflight.discard(task)
+        self._slots.release()
+        self._pending[key] -= 1
+        if self._pending[key] <= 0:
+            del self._pending[key]
+        if self._last_of_key.get(key) is task:
+            del self._last_of_key[key]
+
+    def _body(self, delivery: _Delivery) -> bytes:
+        """The JSON list of one alert, as Alertmanager's API v2 takes it."""
+        ends_at = delivery.ends_at
+        if ends_at is None:
+            ends_at = max(self._clock(), delivery.starts_at) + self.lease_s
+        alert: dict[str, Any] = {
+            "labels": labels_for(delivery.payload),
+            "annotations": annotations_for(delivery.payload),
+            "startsAt": rfc3339(delivery.starts_at),
+            "endsAt": rfc3339(ends_at),
+        }
+        if self.generator_url:
+            alert["generatorURL"] = self.generator_url
+        return json.dumps([alert], separators=(",", ":")).encode()
+
+    async def _deliver(self, delivery: _Delivery, after: asyncio.Task[None] | None = None) -> None:
+        assert self._client is not None
+        if after is not None:
+            await asyncio.wait([after])
+        headers = {"Content-Type": "application/json", "User-Agent": "oomcast"}
+        status, (node, device, name) = delivery.payload.get("status"), delivery.key
+        delay = self.backoff_s
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                body = self._body(delivery)  # anew each time: a firing's endsAt moves on
+                resp = await self._client.post(self.url, content=body, headers=headers)
+                if resp.status_code < 300:
+                    self._on_result("delivered")
+                    return
+                # 4xx other than 408/429 will not get better by retrying.
+                if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
+                    log.error(
+                        "alertmanager refused %s %s for %s/%s (%d): %s",
+                        status,
+                        name,
+                        node,
+                        device,
+                        resp.status_code,
+                        resp.text[:200],
+                    )
+                    self._on_result("refused")
+                    return
+                problem = f"HTTP {resp.status_code}"
+            except httpx.HTTPError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            self._on_result("retry")
+            if attempt == self.max_attempts:
+                break
+            log.warning(
+                "alertmanager attempt %d for %s/%s failed (%s); retrying in %.1fs",
+                attempt,
+                node,
+                device,
+                problem,
+                delay,
+            )
+            await asyncio.sleep(delay)
+            delay = min(self.backoff_max_s, delay * 2)
+        log.error(
+            "alertmanager gave up on %s %s for %s/%s after %d attempts: %s",
+            status,
+            name,
+            node,
+            device,
+            self.max_attempts,
+            problem,
+        )
+        self._on_result("failed")

@@ -1,0 +1,530 @@
+"""AlertmanagerSender against a real Prometheus Alertmanager (Debian's
+``prometheus-alertmanager``; ``.ci/run`` installs it), each test with its own instance on free
+loopback ports, clustering off, storage in tmp_path.
+
+What Alertmanager 0.25 does that these tests rely on: ``GET /api/v2/alerts`` never lists a
+resolved alert, whatever the filters (``active=true`` or not); a firing alert posted after its
+resolve brings it back (the newest post wins); ``/metrics`` counts received alerts by status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from oomcast.service.alertmanager import (
+    DEFAULT_ALERTNAME,
+    AlertmanagerSender,
+    annotations_for,
+    rfc3339,
+)
+
+GIB = 1 << 30
+
+
+def _find_alertmanager() -> str | None:
+    for name in ("prometheus-alertmanager", "alertmanager"):
+        exe = shutil.which(name)
+        if exe:
+            return exe
+    exe = "/usr/bin/prometheus-alertmanager"
+    return exe if os.access(exe, os.X_OK) else None
+
+
+AM_EXE = _find_alertmanager()
+CONFIG = """\
+route:
+  receiver: "null"
+  group_wait: 0s
+receivers:
+  - name: "null"
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Alertmanager:
+    """A private Alertmanager that a test can start, stop and start again."""
+
+    def __init__(self, exe: str, tmp: Path) -> None:
+        self.exe = exe
+        self.tmp = tmp
+        self.config = tmp / "alertmanager.yml"
+        self.config.write_text(CONFIG)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / "alertmanager.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    self.exe,
+                    f"--config.file={self.config}",
+                    f"--storage.path={self.tmp / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    "--cluster.listen-address=",
+                    "--log.level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"alertmanager exited: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(
+            f"alertmanager not ready in {timeout_s}s: {self.log.read_text()[-2000:]}"
+        )
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture
+def am_stopped(tmp_path: Path) -> Iterator[Alertmanager]:
+    if AM_EXE is None:
+        pytest.skip(
+            "prometheus-alertmanager is not installed (apt-get install prometheus-alertmanager;"
+            " .ci/run does it)"
+        )
+    server = Alertmanager(AM_EXE, tmp_path)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def am(am_stopped: Alertmanager) -> Alertmanager:
+    am_stopped.start()
+    return am_stopped
+
+
+async def eventually(
+    check: Callable[[], Any], timeout_s: float = 20.0, interval_s: float = 0.05
+) -> Any:
+    """Poll ``check`` (plain or async) until it returns something truthy; that value, or fail."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = check()
+        if inspect.isawaitable(got):
+            got = await got
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s}s; last: {got!r}")
+        await asyncio.sleep(interval_s)
+
+
+async def am_alerts(url: str, **params: str) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(timeout=5) as client:
+        resp = await client.get(f"{url}/api/v2/alerts", params=params)
+        resp.raise_for_status()
+        return list(resp.json())
+
+
+async def am_alerts_when(
+    url: str, ok: Callable[[list[dict[str, Any]]], bool], **params: str
+) -> list[dict[str, Any]] | None:
+    """The alerts, if ``ok`` says they are what the test waits for; else None."""
+    got = await am_alerts(url, **params)
+    return got if ok(got) else None
+
+
+async def am_received(url: str, status: str) -> float:
+    """Alertmanager's own count of alerts received through API v2 with ``status``."""
+    async with httpx.AsyncClient(timeout=5) as client:
+        text = (await client.get(f"{url}/metrics")).text
+    series = f'alertmanager_alerts_received_total{{status="{status}",version="v2"}}'
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def am_nothing_active(url: str) -> bool:
+    return await am_alerts(url, active="true") == []
+
+
+def payload(status: str = "firing", device: str = "gpu3", **over: Any) -> dict[str, Any]:
+    now = time.time()
+    out: dict[str, Any] = {
+        "status": status,
+        "node": "node-7",
+        "device": device,
+        "job": "train-42",
+        "risk": {"30": 0.41, "60": 0.93, "300": 0.99},
+        "time_to_oom_s": 45.0,
+        "observed_at": now,
+        "fired_at": now - 5,
+        "sent_at": now,
+        "action": "notify",
+        "model_version": "tcn-2024.06",
+        "episode": "ep-" + device,
+        "rule": "risk within 60s >= 0.9 for 2 samples; resolves below 0.2 for 3",
+        "reason": "risk 0.93 at 60s" if status == "firing" else "risk fell to 0.05",
+        "used_bytes": int(71.5 * GIB),
+        "total_bytes": 80 * GIB,
+        "rule_name": "checkpoint-before-oom",
+        "severity": "critical",
+    }
+    out.update(over)
+    return out
+
+
+def parse_ts(ts: str) -> float:
+    return datetime.fromisoformat(ts).timestamp()
+
+
+def test_firing_alert_appears_with_labels_and_annotations(am: Alertmanager) -> None:
+    results: list[str] = []
+    alert = payload()
+
+    async def go() -> list[dict[str, Any]]:
+        sender = AlertmanagerSender(
+            am.url, on_result=results.append, generator_url="http://oomcast:8080/alerts"
+        )
+        await sender.start()
+        sent_at = time.time()
+        assert sender.submit(alert)
+        assert sender.submit(payload(device="gpu5", job=None, rule_name=None, severity=None))
+        got = await eventually(lambda: am_alerts_when(am.url, lambda a: len(a) == 2))
+        await sender.stop()
+        for a in got:
+            assert abs(parse_ts(a["endsAt"]) - (sent_at + 300)) < 10  # endsAt = now + 5 min
+        return got
+
+    got = {a["labels"]["device"]: a for a in asyncio.run(go())}
+    assert results == ["delivered", "delivered"]
+    gpu3 = got["gpu3"]
+    assert gpu3["labels"] == {
+        "alertname": "checkpoint-before-oom",
+        "node": "node-7",
+        "device": "gpu3",
+        "job": "train-42",
+        "severity": "critical",
+    }
+    ann = gpu3["annotations"]
+    assert ann["summary"] == (
+        "gpu3 on node-7 is forecast to run out of memory in ~45 s (risk 0.93 within 60 s)"
+    )
+    for part in (
+        "71.5/80.0 GiB",
+        "time_to_oom_s 45",
+        "30s=0.41 60s=0.93 300s=0.99",
+        "model_version tcn-2024.06",
+        "episode ep-gpu3",
+        "rule risk within 60s",
+        "action notify",
+    ):
+        assert part in ann["description"], (part, ann["description"])
+    assert gpu3["status"]["state"] == "active"
+    assert gpu3["startsAt"] == rfc3339(alert["fired_at"])
+    assert gpu3["generatorURL"] == "http://oomcast:8080/alerts"
+    # Without rule_name, severity and job: the defaults, and no job label.
+    assert got["gpu5"]["labels"] == {
+        "alertname": DEFAULT_ALERTNAME,
+        "node": "node-7",
+        "device": "gpu5",
+        "severity": "warning",
+    }
+
+
+def test_resent_while_firing_and_gone_once_resolved(am: Alertmanager) -> None:
+    results: list[str] = []
+
+    async def go() -> None:
+        sender = AlertmanagerSender(am.url, resend_s=0.3, on_result=results.append)
+        await sender.start()
+        assert sender.submit(payload())
+        (first,) = await eventually(lambda: am_alerts(am.url, active="true"))
+        # Re-sent every resend_s: Alertmanager's updatedAt and endsAt move forward.
+        seen = [first]
+        for _ in range(2):
+            prev = seen[-1]["updatedAt"]
+            later = await eventually(
+                lambda prev=prev: am_alerts_when(
+                    am.url, lambda a: bool(a) and a[0]["updatedAt"] != prev, active="true"
+                )
+            )
+            seen.append(later[0])
+        assert [a["updatedAt"] for a in seen] == sorted({a["updatedAt"] for a in seen})
+        assert parse_ts(seen[-1]["endsAt"]) > parse_ts(seen[0]["endsAt"])
+        assert {a["startsAt"] for a in seen} == {first["startsAt"]}  # one episode, one start
+        assert len(seen) == 3 and results.count("delivered") >= 3
+
+        assert sender.submit(payload("resolved"))
+        assert sender.firing == []
+        # Alertmanager 0.25 does not list a resolved alert at all, active or not.
+        await eventually(lambda: am_nothing_active(am.url))
+        assert await am_alerts(am.url) == []
+        assert await am_alerts(am.url, active="false") == []
+        assert await am_received(am.url, "resolved") == 1  # ended by us, not by expiry
+        firing_before = await am_received(am.url, "firing")
+        # No more re-sends after the resolve: no firing arrives, and it stays gone.
+        await asyncio.sleep(1.2)
+        assert await am_alerts(am.url) == []
+        assert await am_received(am.url, "firing") == firing_before
+
+        # A new episode on the same GPU fires again, with its own start.
+        assert sender.submit(payload(episode="ep-2", fired_at=time.time()))
+        (again,) = await eventually(lambda: am_alerts(am.url, active="true"))
+        assert again["startsAt"] > first["startsAt"]
+        await sender.stop()
+
+    asyncio.run(go())
+    assert "failed" not in results and "refused" not in results
+
+
+def test_down_at_first_gets_the_alert_once_it_comes_up(am_stopped: Alertmanager) -> None:
+    results: list[str] = []
+
+    async def go() -> None:
+        sender = AlertmanagerSender(
+            am_stopped.url,
+            resend_s=60,
+            backoff_s=0.1,
+            backoff_max_s=0.4,
+            max_attempts=60,  # a retry cap of about 24 s
+            on_result=results.append,
+        )
+        await sender.start()
+        assert sender.submit(payload())
+        await eventually(lambda: results.count("retry") >= 2)
+        assert "delivered" not in results
+        await asyncio.to_thread(am_stopped.start)
+        (got,) = await eventually(lambda: am_alerts(am_stopped.url, active="true"))
+        assert got["labels"]["alertname"] == "checkpoint-before-oom"
+        await sender.stop()
+
+    asyncio.run(go())
+    assert results[-1] == "delivered" and results.count("delivered") == 1
+    assert set(results[:-1]) == {"retry"}
+
+
+def test_a_resolve_is_never_overtaken_by_a_retried_firing(am_stopped: Alertmanager) -> None:
+    results: list[str] = []
+
+    async def go() -> None:
+        sender = AlertmanagerSender(
+            am_stopped.url,
+            backoff_s=0.1,
+            backoff_max_s=0.3,
+            max_attempts=100,
+            on_result=results.append,
+        )
+        await sender.start()
+        # gpu0 fires and resolves while Alertmanager is down; gpu1 fires and stays firing.
+        assert sender.submit(payload(device="gpu0"))
+        assert sender.submit(payload("resolved", device="gpu0"))
+        assert sender.submit(payload(device="gpu1"))
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(am_stopped.start)
+        await eventually(lambda: results.count("delivered") == 3)
+        active = await am_alerts(am_stopped.url, active="true")
+        assert [a["labels"]["device"] for a in active] == ["gpu1"]
+        assert await am_received(am_stopped.url, "resolved") == 1
+        await sender.stop()
+
+        # Why the order matters: a stale firing landing after the resolve revives the alert.
+        stale = {
+            "labels": {"alertname": "checkpoint-before-oom", "node": "node-7", "device": "gpu0"},
+            "startsAt": rfc3339(time.time() - 5),
+            "endsAt": rfc3339(time.time() + 300),
+        }
+        async with httpx.AsyncClient() as client:
+            resp = await client.post(f"{am_stopped.url}/api/v2/alerts", json=[stale])
+            assert resp.status_code == 200
+        active = await am_alerts(am_stopped.url, active="true")
+        assert sorted(a["labels"]["device"] for a in active) == ["gpu0", "gpu1"]
+
+    asyncio.run(go())
+    assert "failed" not in results
+
+
+def test_a_down_receiver_does_not_block_submit() -> None:
+    results: list[str] = []
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+
+    async def go() -> list[bool]:
+        sender = AlertmanagerSender(
+            dead, backoff_s=5, max_attempts=3, queue_size=50, on_result=results.append
+        )
+        await sender.start()
+        t0 = time.perf_counter()
+        accepted = [sender.submit(payload(device=f"gpu{i}")) for i in range(200)]
+        elapsed = time.perf_counter() - t0
+        assert elapsed < 0.5, elapsed
+        t0 = time.perf_counter()
+        await sender.stop(grace_s=0.2)
+        assert time.perf_counter() - t0 < 3
+        return accepted
+
+    accepted = asyncio.run(go())
+    assert accepted.count(True) >= 50 and False in accepted
+    assert results.count("dropped") == accepted.count(False)
+    assert "delivered" not in results
+
+
+def test_a_4xx_is_refused_and_not_retried(am: Alertmanager) -> None:
+    results: list[str] = []
+
+    async def go() -> None:
+        # Not Alertmanager's API path: a 404 that no retry would mend.
+        sender = AlertmanagerSender(f"{am.url}/not-here", backoff_s=0.05, on_result=results.append)
+        await sender.start()
+        assert sender.submit(payload())
+        await eventually(lambda: results)
+        await asyncio.sleep(0.3)
+        await sender.stop()
+
+    asyncio.run(go())
+    assert results == ["refused"]
+
+
+def test_retries_5xx_429_408_and_sets_times_from_the_clock(webhook_receiver) -> None:  # type: ignore[no-untyped-def]
+    """Scripted answers (Alertmanager itself never sends these on demand)."""
+    webhook_receiver.statuses = [503, 429, 408]
+    results: list[str] = []
+    now = 1_700_000_000.0
+
+    async def go() -> None:
+        sender = AlertmanagerSender(
+            webhook_receiver.url,
+            resend_s=200,  # lease: max(3 * 200 s, 5 min) = 600 s
+            backoff_s=0.05,
+            on_result=results.append,
+            clock=lambda: now,
+        )
+        await sender.start()
+        assert sender.submit(payload(fired_at=now - 30))
+        assert sender.submit(payload("resolved", fired_at=now - 30))
+        await sender.stop(grace_s=5)
+
+    asyncio.run(go())
+    assert results == ["retry", "retry", "retry", "delivered", "delivered"]
+    reqs = webhook_receiver.requests
+    assert {r["path"] for r in reqs} == {"/hook/api/v2/alerts"}
+    assert all(r["headers"]["Content-Type"] == "application/json" for r in reqs)
+    firing, resolved = reqs[-2]["json"], reqs[-1]["json"]
+    assert firing[0]["startsAt"] == "2023-11-14T22:12:50.000Z"
+    assert firing[0]["endsAt"] == "2023-11-14T22:23:20.000Z"  # now + 600 s
+    assert resolved[0]["startsAt"] == "2023-11-14T22:12:50.000Z"
+    assert resolved[0]["endsAt"] == "2023-11-14T22:13:20.000Z"  # now: resolves it
+    assert resolved[0]["labels"] == firing[0]["labels"]
+    assert "ended" in resolved[0]["annotations"]["summary"]
+
+
+def test_summary_without_a_time_to_oom_and_timestamps() -> None:
+    ann = annotations_for(
+        payload(time_to_oom_s=None, risk={"60": 0.7, "300": 0.95}, rule="custom", device="gpu0")
+    )
+    assert ann["summary"] == (
+        "gpu0 on node-7 is at risk of running out of memory (risk 0.95 within 300 s)"
+    )
+    assert json.dumps(ann)  # plain strings only
+    assert rfc3339(0) == "1970-01-01T00:00:00.000Z"
+    assert rfc3339(1.2345) == "1970-01-01T00:00:01.234Z"
+
+
+def test_the_service_pushes_a_rule_alert_that_alertmanager_shows(
+    am: Alertmanager, redis_url: str, key_prefix: str, tmp_path: Path
+) -> None:
+    """`oomcast serve` with OOMCAST_ALERTMANAGER_URL, a replayed leak, the alert read back."""
+    from conftest import oomcast_cmd, start_serve
+    from support import leak_trace, write
+
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(
+        "rules:\n"
+        "  - name: gpu-oom-soon\n"
+        "    when: {model_rule: true}\n"
+        "    actions: [alertmanager]\n"
+        "    severity: critical\n"
+    )
+    env = {
+        **os.environ,
+        "OOMCAST_REDIS_URL": redis_url,
+        "OOMCAST_KEY_PREFIX": key_prefix,
+        "OOMCAST_ALERTMANAGER_URL": am.url,
+        "OOMCAST_RULES": str(rules),
+        "OOMCAST_FORECASTER": "predict_linear_w60s_h60s_gate0.80_full",
+        "OOMCAST_CONSUMER_NAME": "am-e2e",
+    }
+    port = free_port()
+    server = start_serve(env, port)
+    try:
+        # a leak that is still climbing when the replay ends: the episode stays firing
+        records = leak_trace(seconds_to_oom=300, node="node-am")[:-1]
+        trace = write(tmp_path / "leak.jsonl.gz", records)
+        done = subprocess.run(
+            oomcast_cmd(
+                "collect",
+                "--source",
+                "replay",
+                "--trace",
+                str(trace),
+                "--speed",
+                "40",
+                "--metrics-port",
+                "0",
+            ),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+
+        def active() -> list[dict[str, Any]]:
+            return [
+                a
+                for a in httpx.get(f"{am.url}/api/v2/alerts").json()
+                if a["labels"].get("alertname") == "gpu-oom-soon"
+            ]
+
+        deadline = time.monotonic() + 30
+        while not active() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        [alert] = active()
+        labels = alert["labels"]
+        assert (labels["node"], labels["device"], labels["job"]) == ("node-am", "gpu0", "leaky")
+        assert labels["severity"] == "critical"
+        assert "out of memory" in alert["annotations"]["summary"]
+        audit = httpx.get(f"http://127.0.0.1:{port}/v1/alerts").json()["alerts"]
+        [firing] = [a for a in audit if a.get("rule_name") == "gpu-oom-soon"]
+        assert firing["status"] == "firing" and firing["dispatched"] == {"alertmanager": "queued"}
+    finally:
+        server.terminate()
+        server.wait(15)

@@ -1,0 +1,215 @@
+"""service/rules.py and service/actions.py: rule files are validated with errors that name the
+rule and field; episodes with hysteresis, cooldown, repeats and matching; the dispatcher's
+record of what it did; the default rule set; and `oomcast serve` refusing a bad file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import oomcast_cmd
+
+from oomcast.model.control import NonceCache, verify_command
+from oomcast.model.forecast import AlertRule, Forecast, RiskRow
+from oomcast.model.schema import Sample
+from oomcast.model.wire import Keys
+from oomcast.service.actions import Dispatcher
+from oomcast.service.alerts import AlertPolicy
+from oomcast.service.rules import (
+    DEFAULT_RULES,
+    RulesError,
+    Tracker,
+    load_rules,
+    step_rule,
+)
+
+POLICY = AlertPolicy(AlertRule(120, 0.6), resolve_risk=0.3, fire_after=1)
+H = (5, 15, 30, 60, 120, 300)
+
+
+def rules_file(tmp_path: Path, rules: list[dict[str, Any]], suffix: str = ".json") -> Path:
+    path = tmp_path / f"rules{suffix}"
+    path.write_text(json.dumps({"rules": rules}))
+    return path
+
+
+def fc(risk: float, tto: float | None = None, ts: float = 1.0) -> Forecast:
+    return Forecast(RiskRow({h: i for i, h in enumerate(H)}, [risk] * len(H)), tto, ts, "m1")
+
+
+def sample(ts: float = 1.0, device: str = "gpu0", kind: str = "gpu") -> Sample:
+    return Sample(ts, "n1", device, kind, 100, 90, job="train")
+
+
+RISK_RULE = {
+    "name": "r",
+    "when": {"risk_above": 0.8, "horizon_s": 60, "for_samples": 2},
+    "resolve": {"risk_below": 0.3, "for_samples": 2},
+    "actions": ["webhook"],
+    "cooldown_s": 0,
+}
+
+
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        ({**RISK_RULE, "when": {"risk_above": 0.8}}, "'r': when: risk_above needs horizon_s"),
+        ({**RISK_RULE, "when": {"horizon_s": 60}}, "give exactly one detector"),
+        ({**RISK_RULE, "actions": ["page"]}, "'r': actions[0]: Input should be"),
+        ({**RISK_RULE, "resolve": {"risk_below": 0.9}}, "must be below when.risk_above"),
+        ({**RISK_RULE, "cooldown": 5}, "'r': cooldown: Extra inputs are not permitted"),
+        ({**RISK_RULE, "name": "bad name"}, "'bad name': name: String should match"),
+        ({**RISK_RULE, "when": {"risk_above": 1.5, "horizon_s": 60}}, ": when.risk_above"),
+        ({**RISK_RULE, "actions": []}, ": actions: List should have at least 1 item"),
+    ],
+)
+def test_a_bad_rule_is_refused_naming_rule_and_field(
+    tmp_path: Path, rule: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(RulesError) as err:
+        load_rules(rules_file(tmp_path, [rule]), POLICY)
+    assert message in str(err.value)
+    assert "rules[0]" in str(err.value)
+
+
+def test_file_level_errors(tmp_path: Path) -> None:
+    with pytest.raises(RulesError, match="repeated"):
+        load_rules(rules_file(tmp_path, [RISK_RULE, RISK_RULE]), POLICY)
+    bad = tmp_path / "r.yaml"
+    bad.write_text("rules: [\n")
+    with pytest.raises(RulesError, match="not valid YAML"):
+        load_rules(bad, POLICY)
+    with pytest.raises(RulesError, match="cannot read it"):
+        load_rules(tmp_path / "missing.yaml", POLICY)
+
+
+def test_hysteresis_and_for_samples() -> None:
+    [rule] = load_rules_from(RISK_RULE)
+    t = Tracker()
+    assert step_rule(t, rule, sample(), fc(0.9), "train") is None  # 1 of 2
+    fired = step_rule(t, rule, sample(), fc(0.9), "train")
+    assert fired is not None and fired["status"] == "firing" and fired["rule_name"] == "r"
+    assert fired["risk"]["60"] == 0.9 and fired["observed_at"] == 1.0  # what caused it
+    # between the two bars: still firing; below the lower one twice: resolved
+    assert step_rule(t, rule, sample(), fc(0.5), "train") is None
+    assert step_rule(t, rule, sample(), fc(0.2), "train") is None
+    resolved = step_rule(t, rule, sample(), fc(0.2), "train")
+    assert resolved is not None and resolved["status"] == "resolved"
+
+
+def test_cooldown_suppresses_actions_and_repeat_renews_them(monkeypatch: Any) -> None:
+    now = [1000.0]
+    monkeypatch.setattr("oomcast.service.rules.time.time", lambda: now[0])
+    [rule] = load_rules_from({**RISK_RULE, "cooldown_s": 60, "repeat_s": 10})
+    t = Tracker()
+    step_rule(t, rule, sample(), fc(0.9), "train")
+    first = step_rule(t, rule, sample(), fc(0.9), "train")
+    assert first is not None and not first["suppressed"]
+    now[0] += 5
+    assert step_rule(t, rule, sample(), fc(0.9), "train") is None  # too soon to repeat
+    now[0] += 6
+    again = step_rule(t, rule, sample(), fc(0.9), "train")
+    assert again is not None and again.get("repeat") is True and again["status"] == "firing"
+    for _ in range(2):
+        step_rule(t, rule, sample(), fc(0.1), "train")  # resolved
+    now[0] += 5
+    for _ in range(2):
+        out = step_rule(t, rule, sample(), fc(0.9), "train")
+    assert out is not None and out["suppressed"] is True  # within 60 s of the last firing
+    assert "cooldown" in out["reason"]
+
+
+def test_time_to_oom_detector_and_match() -> None:
+    [rule] = load_rules_from(
+        {
+            "name": "tto",
+            "when": {"time_to_oom_below_s": 45, "for_samples": 1},
+            "actions": ["checkpoint"],
+            "match": {"kind": "host", "device": "cgroup:/kubepods*"},
+        }
+    )
+    t = Tracker()
+    assert step_rule(t, rule, sample(kind="gpu"), fc(0.9, tto=10), "train") is None  # no match
+    host = sample(device="cgroup:/kubepods/pod1", kind="host")
+    assert step_rule(t, rule, host, fc(0.1, tto=None), "train") is None
+    fired = step_rule(t, rule, host, fc(0.1, tto=30), "train")
+    assert fired is not None and fired["time_to_oom_s"] == 30
+
+
+def test_default_rules_load_and_explain_themselves() -> None:
+    rules = load_rules(DEFAULT_RULES, POLICY)
+    names = [r.name for r in rules]
+    assert names == ["shed-lower-priority", "oom-forecast"]  # highest priority first
+    forecast = next(r for r in rules if r.name == "oom-forecast")
+    assert (forecast.horizon_s, forecast.risk_above) == (120, 0.6)  # the model's rule
+    assert "checkpoint" in forecast.actions
+    shed = next(r for r in rules if r.name == "shed-lower-priority")
+    assert shed.dry_run == {"shed"}  # shedding is off until someone turns it on
+
+
+def test_dispatcher_records_what_it_did_and_signs_node_commands() -> None:
+    rules = load_rules_from(
+        {**RISK_RULE, "actions": ["webhook", "alertmanager", "checkpoint", "shed"]},
+    )
+    sent: list[dict[str, Any]] = []
+    d = Dispatcher(
+        Keys("t"),
+        rules,
+        webhook=lambda p: sent.append(p) or True,
+        alertmanager=None,
+        control_secret="k",
+    )
+    t = Tracker()
+    step_rule(t, rules[0], sample(), fc(0.9), "train")
+    payload = step_rule(t, rules[0], sample(), fc(0.9), "train")
+    assert payload is not None
+    d.submit(payload)
+    assert sent == [payload]
+    done = payload["dispatched"]
+    assert done["webhook"] == "queued" and done["alertmanager"] == "not_configured"
+    assert [stream for stream, _ in d.outbox] == ["t:control:{n1}", "t:control:{n1}"]
+    cmds = [
+        verify_command(f, "k", now=time.time(), node="n1", nonces=NonceCache()) for _, f in d.outbox
+    ]
+    assert [c.action for c in cmds] == ["checkpoint", "shed"]
+    shed = cmds[1]
+    assert shed.params["need_bytes"] == 90 - 85  # down to 85% of 100 bytes
+    assert shed.forecast["risk"] == payload["risk"]
+    assert done["shed"]["command_id"] == shed.id
+    # a dry-run rule sends nothing to receivers, and flags its node commands
+    payload2 = dict(payload, dry_run=["webhook", "checkpoint", "shed", "alertmanager"])
+    d.submit(payload2)
+    assert payload2["dispatched"]["webhook"] == "dry_run" and len(sent) == 1
+    assert payload2["dispatched"]["checkpoint"]["dry_run"] is True
+
+
+def test_shedding_is_dry_run_unless_a_rule_says_otherwise() -> None:
+    base = {**RISK_RULE, "actions": ["webhook", "shed"]}
+    [unset] = load_rules_from(base)
+    [live] = load_rules_from({**base, "dry_run": False})
+    [dry] = load_rules_from({**base, "dry_run": True})
+    assert (
+        unset.dry_run == {"shed"} and live.dry_run == set() and dry.dry_run == {"webhook", "shed"}
+    )
+
+
+def load_rules_from(*rules: dict[str, Any]) -> list[Any]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return load_rules(rules_file(Path(tmp), list(rules)), POLICY)
+
+
+def test_serve_refuses_to_start_on_a_bad_rule(tmp_path: Path) -> None:
+    path = rules_file(tmp_path, [{**RISK_RULE, "actions": ["page"]}])
+    env = {**os.environ, "OOMCAST_RULES": str(path)}
+    done = subprocess.run(
+        oomcast_cmd("serve", "--port", "1"), env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert "rules[0] 'r': actions[0]" in done.stderr

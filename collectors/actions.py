@@ -625,6 +625,7 @@ class ShedAction:
         cgroup_scope: str | None = None,
         proc_root: Path | str = "/proc",
         kill_wait_s: float = 2.0,
+        require_scope: bool = True,
         poll_s: float = 0.05,
     ) -> None:
         if grace_s < 0 or kill_wait_s < 0 or poll_s <= 0:
@@ -634,6 +635,7 @@ class ShedAction:
         self.cgroup_scope = cgroup_scope
         self.proc_root = Path(proc_root)
         self.kill_wait_s = kill_wait_s
+        self.require_scope = require_scope
         self.poll_s = poll_s
 
     def _why_not(self, c: Candidate, protected_job: str | None, priority: int) -> str | None:
@@ -708,10 +710,19 @@ class ShedAction:
                 "refused", f"params.need_bytes must be a positive integer: {need!r}"
             )
         cands = [as_candidate(c) for c in candidates]
-        priority = params.get("priority")
         if (
-            priority is None
-            and command.device.startswith("cgroup:")
+            not command.dry_run
+            and self.require_scope
+            and self.allowed_uids is None
+            and self.cgroup_scope is None
+        ):
+            return ActionResult(
+                "refused",
+                "live shedding needs a scope on this agent (--shed-uids or --shed-cgroup-scope):"
+                " without one any process on the domain could be stopped",
+            )
+        if (
+            command.device.startswith("cgroup:")
             and cands
             and not any(c.job == command.job for c in cands)
         ):
@@ -719,10 +730,19 @@ class ShedAction:
             # jobs: protect the most important job in it, shed only what ranks below it.
             top = max(cands, key=lambda c: c.priority)
             command = dataclasses.replace(command, job=top.job)
+        own = [c.priority for c in cands if command.job is not None and c.job == command.job]
+        asked = params.get("priority")
+        if isinstance(asked, bool) or not isinstance(asked, int):
+            asked = None
+        # params.priority may lower the protected job's bar, never raise it above the job's
+        # own priority (that would make jobs above it victims)
+        if own and asked is not None:
+            priority: int | None = min(max(own), asked)
+        elif own:
+            priority = max(own)
+        else:
+            priority = asked
         if priority is None:
-            own = [c.priority for c in cands if command.job is not None and c.job == command.job]
-            priority = max(own) if own else None
-        if isinstance(priority, bool) or not isinstance(priority, int):
             return ActionResult(
                 "refused",
                 f"the protected job {command.job!r}'s priority is unknown (not among the"

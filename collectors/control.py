@@ -143,6 +143,7 @@ class ControlListener:
         self._refusal_times: deque[float] = deque()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._started_at: float | None = None
 
     def __repr__(self) -> str:  # never the secret
         return f"ControlListener(node={self.node!r}, stream={self.stream!r})"
@@ -153,6 +154,7 @@ class ControlListener:
         """Start reading, from the entries added after now."""
         if self._thread is not None:
             raise RuntimeError("the control listener was already started")
+        self._started_at = self.clock()
         try:
             self._cursor = self._last_id()
         except redis.RedisError as exc:  # the thread fetches it once Redis answers
@@ -239,6 +241,20 @@ class ControlListener:
         except CommandRejected as exc:
             self._refuse(entry_id, exc, fields)
             return None
+        if self._started_at is not None and cmd.issued_at < self._started_at - self.max_skew_s:
+            # Nonces live in memory: a restarted agent must not run a command issued before
+            # it started (it may have run already); the service sends a fresh one if needed.
+            self._refuse(
+                entry_id,
+                CommandRejected(
+                    "replayed",
+                    f"issued at {cmd.issued_at}, before this agent started ({self._started_at})",
+                    cmd.id,
+                    cmd,
+                ),
+                fields,
+            )
+            return None
         executor = self.executors.get(cmd.action)
         if executor is None:
             self._refuse(
@@ -249,12 +265,20 @@ class ControlListener:
                 fields,
             )
             return None
-        key = (cmd.device, cmd.action)
+        # a checkpoint reaches every process of the job, on every GPU: one at a time per job
+        key = (
+            (f"job:{cmd.job}", cmd.action)
+            if cmd.action == "checkpoint" and cmd.job
+            else (
+                cmd.device,
+                cmd.action,
+            )
+        )
         worker: threading.Thread | None = None
         with self._lock:
             busy = None
             if key in self._running:
-                busy = f"a {cmd.action} on {cmd.device} is already running"
+                busy = f"a {cmd.action} on {key[0]} is already running"
             elif len(self._running) >= self.max_running:
                 busy = f"{len(self._running)} actions are running (max_running)"
             if busy is None:

@@ -15,6 +15,7 @@ flagged dry-run, so the agent can say what it would have done (whom it would hav
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,7 @@ class Dispatcher:
         alertmanager: Callable[[dict[str, Any]], bool] | None = None,
         control_secret: str | None = None,
         command_ttl_s: float = 30.0,
+        stale_after_s: float = 60.0,
         outbox: list[tuple[str, dict[str, str]]] | None = None,
         on_command: Callable[[str, str], None] | None = None,
     ) -> None:
@@ -44,6 +46,7 @@ class Dispatcher:
         self.alertmanager = alertmanager
         self.control_secret = control_secret
         self.command_ttl_s = command_ttl_s
+        self.stale_after_s = stale_after_s
         self.outbox: list[tuple[str, dict[str, str]]] = outbox if outbox is not None else []
         self._on_command = on_command or (lambda action, dry: None)
         for rule in rules:
@@ -72,7 +75,15 @@ class Dispatcher:
         }.get(action, "OOMCAST_CONTROL_SECRET")
 
     def submit(self, payload: dict[str, Any]) -> None:
-        """Act on one alert (called by the ingest loop, which then writes the audit record)."""
+        """Act on one alert (called by the ingest loop, which then writes the audit record).
+        Never raises: a failure is recorded in the alert's ``dispatched``."""
+        try:
+            self._submit(payload)
+        except Exception as exc:  # an alert must reach the audit stream whatever happens
+            log.exception("dispatching the alert of rule %s failed", payload.get("rule_name"))
+            payload.setdefault("dispatched", {})["error"] = f"{type(exc).__name__}: {exc}"[:300]
+
+    def _submit(self, payload: dict[str, Any]) -> None:
         actions = payload.get("actions")
         if actions is None:  # an alert of the single built-in policy: notify only
             ok = self.webhook(payload) if self.webhook else False
@@ -101,13 +112,21 @@ class Dispatcher:
         if payload["status"] != "firing":
             return "n/a"  # a node action happens when an episode starts, not when it ends
         assert self.control_secret is not None
+        age = time.time() - float(payload["observed_at"])
+        if age > self.stale_after_s:
+            # read late (a backlog, an outage): the node has moved on since this sample
+            return f"stale: forecast from a sample {age:.0f}s old, no command"
         params = dict((rule.params.get(action) if rule else None) or {})
         if action == "shed":
-            target = float(params.get("target_frac", 0.85))
+            target = float(params.pop("target_frac", 0.85))
             total, used = int(payload["total_bytes"]), int(payload["used_bytes"])
+            if payload.get("repeat") and used <= target * total:
+                return "n/a: already below target_frac"
             # free enough to bring the domain back under target_frac of its capacity, and
             # at least a twentieth of it: the forecast says use is still rising
-            params.setdefault("need_bytes", max(used - int(target * total), total // 20))
+            params["need_bytes"] = max(used - int(target * total), total // 20)
+            if params.get("priority") is None:
+                params.pop("priority", None)
         cmd = new_command(
             node=str(payload["node"]),
             action=action,

@@ -561,13 +561,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--shed-uids",
         default=None,
-        help="comma-separated uids whose processes may be shed (default: any but root's own"
-        " protections)",
+        help="comma-separated uids whose processes may be shed; live shedding needs this or"
+        " --shed-cgroup-scope (without a scope the agent only does dry runs)",
     )
     c.add_argument(
         "--shed-cgroup-scope",
         default=None,
-        help="only shed processes whose cgroup path starts with this (e.g. /kubepods)",
+        help="only shed processes whose cgroup path (as /proc/<pid>/cgroup shows it to the"
+        " agent) starts with this, e.g. /kubepods.slice or /kubepods",
     )
     c.add_argument("--metrics-host", default="127.0.0.1", help="address of /metrics, /livez")
     c.add_argument(

@@ -335,14 +335,15 @@ class Ingestor:
         # Webhooks first: they do not depend on Redis, and an alert must not wait on it.
         for payload in fired:
             self.metrics.alerts.labels(status=payload["status"]).inc()
-            self.on_alert(payload)
+            try:
+                self.on_alert(payload)
+            except Exception:  # the audit record must be written all the same
+                log.exception("acting on an alert failed")
         self._audit_backlog.extend(fired)
-        if self._audit_backlog or deadletters or self.outbox:
+        if self._audit_backlog or deadletters:
             # Records first, in their own round trip: a pipeline runs every command even when
             # one fails, and the ack must not go through unless the records did.
             pipe = self.client.pipeline(transaction=False)
-            for control_stream, command in self.outbox:
-                pipe.xadd(control_stream, command, maxlen=1000, approximate=True)
             for payload in self._audit_backlog:
                 pipe.xadd(
                     self.keys.alerts,
@@ -354,8 +355,15 @@ class Ingestor:
                 pipe.xadd(self.keys.deadletter, dl, maxlen=self.deadletter_maxlen, approximate=True)
             await pipe.execute()
             self._audit_backlog.clear()
-            self.outbox.clear()
             self.metrics.deadletters.inc(len(deadletters))
+        if self.outbox:
+            # Node commands only once their alerts are on record. A command whose write
+            # fails stays queued and goes with the next batch, within its expiry.
+            pipe = self.client.pipeline(transaction=False)
+            for control_stream, command in self.outbox:
+                pipe.xadd(control_stream, command, maxlen=1000, approximate=True)
+            await pipe.execute()
+            self.outbox.clear()
         if stream is not None and ids:
             await self.client.xack(stream, group or self.group, *ids)
 

@@ -107,6 +107,28 @@ class Resolve(_Strict):
     for_samples: int = Field(3, ge=1, le=1000)
 
 
+class ShedParams(_Strict):
+    target_frac: float = Field(0.85, gt=0, le=1)  # shed down to this share of capacity
+    allow_partial: bool = False  # shed what is allowed even when it cannot free enough
+    priority: int | None = None  # protect at most this priority (never above the job's own)
+
+
+class CheckpointParams(_Strict):
+    pass  # the agent's --checkpoint-timeout says how long a job has to save
+
+
+class NotifyParams(_Strict):
+    pass
+
+
+PARAMS_MODELS: dict[str, type[_Strict]] = {
+    "shed": ShedParams,
+    "checkpoint": CheckpointParams,
+    "webhook": NotifyParams,
+    "alertmanager": NotifyParams,
+}
+
+
 class RuleSpec(_Strict):
     name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.:-]+$")
     when: When
@@ -126,12 +148,25 @@ class RuleSpec(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> RuleSpec:
+        w, r = self.when, self.resolve
         if len(set(self.actions)) != len(self.actions):
             raise ValueError("an action is listed twice")
-        unknown = set(self.params) - set(ACTIONS)
+        unknown = set(self.params) - set(self.actions)
         if unknown:
-            raise ValueError(f"params for unknown actions {sorted(unknown)}")
-        w, r = self.when, self.resolve
+            raise ValueError(f"params for actions the rule does not take: {sorted(unknown)}")
+        for action, given in self.params.items():
+            try:
+                PARAMS_MODELS[action].model_validate(given)
+            except ValidationError as exc:
+                e = exc.errors()[0]
+                where = ".".join(str(x) for x in e["loc"])
+                raise ValueError(f"params.{action}.{where}: {e['msg']}") from None
+        if w.model_rule and w.horizon_s is not None:
+            raise ValueError("model_rule takes the model's own horizon: drop horizon_s")
+        if w.risk_above is not None and r.time_to_oom_above_s is not None:
+            raise ValueError("a risk rule resolves on resolve.risk_below, not time_to_oom_above_s")
+        if r.risk_below is not None and r.risk_below <= 0:
+            raise ValueError("resolve.risk_below must be above 0, or the rule never resolves")
         if w.risk_above is not None and r.risk_below is not None and r.risk_below >= w.risk_above:
             raise ValueError(
                 f"resolve.risk_below ({self.resolve.risk_below}) must be below"
@@ -417,6 +452,17 @@ def step_rule(
     tracker.below = tracker.below + 1 if rule.calm(fc) else 0
     if tracker.below < rule.resolve_after:
         now = time.time()
+        last = tracker.last_fired_at
+        if (
+            tracker.suppressed
+            and tracker.below == 0
+            and (last is None or now - last >= rule.cooldown_s)
+        ):
+            # the episode outlasted the cooldown it started in: act now, as a new firing
+            tracker.suppressed = False
+            tracker.last_fired_at = tracker.last_acted_at = now
+            why = f"still firing when the {rule.cooldown_s:g}s cooldown ended: acting now"
+            return rule_payload("firing", rule, tracker, sample, fc, why, job)
         if (
             rule.repeat_s is not None
             and not tracker.suppressed

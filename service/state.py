@@ -249,8 +249,6 @@ class LiveState:
         st.last_oom_ts = max(event.ts, st.last_oom_ts or event.ts)
         out: list[dict[str, Any]] = []
         if self.rules is not None:
-            if event.job:
-                st.job = event.job
             out = self._end_rules(st, "the job ran out of memory", new_job=True)
         elif st.alert.firing and st.last is not None and st.forecast is not None:
             out.append(
@@ -278,7 +276,7 @@ class LiveState:
             if now_wall - st.last_seen_wall <= live_after_s:
                 continue
             reason = f"no samples for {now_wall - st.last_seen_wall:.0f}s"
-            out.extend(self._end_rules(st, reason, new_job=True))
+            out.extend(self._end_rules(st, reason, new_job=False))
             if st.alert.firing and st.last is not None and st.forecast is not None:
                 out.append(
                     alerts.alert_payload(

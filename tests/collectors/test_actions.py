@@ -254,7 +254,7 @@ def test_shed_picks_lower_priority_largest_first(children: Children) -> None:
         cand(big, 4 * GIB, "low-big", 5),
         cand(peer, 8 * GIB, "peer", 10),  # same priority: not strictly lower
     ]
-    result = ShedAction(grace_s=5)(command(params={"need_bytes": 5 * GIB}), cands)
+    result = ShedAction(grace_s=5, allowed_uids={0})(command(params={"need_bytes": 5 * GIB}), cands)
     assert result.outcome == "done", result
     assert ended(result) == {big.pid: "TERM", mid.pid: "TERM"}
     assert [v["pid"] for v in result.data["victims"]] == [big.pid, mid.pid]  # largest first
@@ -274,7 +274,9 @@ def test_shed_term_then_kill_after_grace(children: Children) -> None:
         cand(polite, 1 * GIB, "batch-b", 0),
     ]
     t0 = time.monotonic()
-    result = ShedAction(grace_s=1.0)(command(params={"need_bytes": 3 * GIB, "priority": 5}), cands)
+    result = ShedAction(grace_s=1.0, allowed_uids={0})(
+        command(params={"need_bytes": 3 * GIB, "priority": 5}), cands
+    )
     took = time.monotonic() - t0
     assert result.outcome == "done", result
     assert ended(result) == {stubborn.pid: "KILL", polite.pid: "TERM"}
@@ -290,11 +292,11 @@ def test_shed_never_pid1_self_parent_or_protected(children: Children) -> None:
         Candidate(1, 100 * GIB, "init", 0, live_start_time(1)),
         cand(os.getpid(), 50 * GIB, "agent", 0),
         cand(os.getppid(), 40 * GIB, "agent-parent", 0),
-        cand(protected_low, 30 * GIB, "prod", 0),  # the protected job, however low its priority
+        cand(protected_low, 30 * GIB, "prod", 5),  # the protected job
         cand(other, 1 * GIB, "batch", 0),
     ]
-    shed = ShedAction(grace_s=5)
-    cmd = command(params={"need_bytes": 200 * GIB, "priority": 5, "allow_partial": True})
+    shed = ShedAction(grace_s=5, allowed_uids={0})
+    cmd = command(params={"need_bytes": 200 * GIB, "allow_partial": True})
     planned = shed(command(params=cmd.params, dry_run=True), cands)
     assert planned.outcome == "dry_run"
     assert [v["pid"] for v in planned.data["victims"]] == [other.pid]
@@ -354,7 +356,9 @@ def test_shed_pid_reuse_guard(children: Children) -> None:
     stale = Candidate(child.pid, 4 * GIB, "batch", 0, start - 5)  # another process's pid
     unknown = Candidate(child.pid, 4 * GIB, "batch", 0, None)
     for c in (stale, unknown):
-        result = ShedAction(grace_s=1)(command(params={"need_bytes": 1, "priority": 5}), [c])
+        result = ShedAction(grace_s=1, allowed_uids={0})(
+            command(params={"need_bytes": 1, "priority": 5}), [c]
+        )
         assert result.outcome == "refused"
         assert alive(child)
     assert skipped(result)[child.pid] == "start time unknown"
@@ -363,7 +367,7 @@ def test_shed_pid_reuse_guard(children: Children) -> None:
 def test_shed_dry_run_kills_nothing(children: Children) -> None:
     a, b = children.sleeper(), children.sleeper()
     cands = [cand(a, 3 * GIB, "x", 0), cand(b, 2 * GIB, "y", 0)]
-    result = ShedAction(grace_s=1)(
+    result = ShedAction(grace_s=1, allowed_uids={0})(
         command(params={"need_bytes": 4 * GIB, "priority": 3}, dry_run=True), cands
     )
     assert result.outcome == "dry_run"
@@ -376,12 +380,12 @@ def test_shed_dry_run_kills_nothing(children: Children) -> None:
 def test_shed_shortfall_refused_unless_partial(children: Children) -> None:
     a = children.sleeper()
     cands = [cand(a, 1 * GIB, "x", 0), cand(children.sleeper(), 9 * GIB, "prod", 7)]
-    result = ShedAction(grace_s=1)(command(params={"need_bytes": 4 * GIB}), cands)
+    result = ShedAction(grace_s=1, allowed_uids={0})(command(params={"need_bytes": 4 * GIB}), cands)
     assert result.outcome == "refused"
     assert result.data["shortfall_bytes"] == 3 * GIB
     assert "short" in result.detail
     assert alive(a)
-    result = ShedAction(grace_s=5)(
+    result = ShedAction(grace_s=5, allowed_uids={0})(
         command(params={"need_bytes": 4 * GIB, "allow_partial": True}), cands
     )
     assert result.outcome == "done" and ended(result) == {a.pid: "TERM"}
@@ -391,9 +395,9 @@ def test_shed_refuses_bad_params_and_unknown_priority(children: Children) -> Non
     a = children.sleeper()
     cands = [cand(a, GIB, "x", 0)]
     for params in ({}, {"need_bytes": -1}, {"need_bytes": "1G"}, {"need_bytes": True}):
-        assert ShedAction()(command(params=params), cands).outcome == "refused"
+        assert ShedAction(allowed_uids={0})(command(params=params), cands).outcome == "refused"
     # the protected job is not on this domain and no priority was given
-    result = ShedAction()(command(params={"need_bytes": 1}), cands)
+    result = ShedAction(allowed_uids={0})(command(params={"need_bytes": 1}), cands)
     assert result.outcome == "refused" and "priority" in result.detail
     assert alive(a)
 
@@ -403,7 +407,7 @@ def test_shed_victim_already_gone(children: Children) -> None:
     c = cand(a, GIB, "x", 0)
     a.kill()
     a.wait(10)
-    result = ShedAction()(command(params={"need_bytes": 1, "priority": 3}), [c])
+    result = ShedAction(allowed_uids={0})(command(params={"need_bytes": 1, "priority": 3}), [c])
     assert result.outcome == "refused" and skipped(result)[a.pid] == "gone"
 
 
@@ -556,3 +560,18 @@ def test_checkpoint_cancel_ends_the_wait(
     action.cancel()
     worker.join(10)
     assert got and got[0].outcome == "failed" and time.monotonic() - t0 < 10
+
+
+def test_live_shedding_needs_a_scope_and_params_cannot_raise_the_bar(children: Children) -> None:
+    low = children.sleeper()
+    cands = [cand(low, 4 * GIB, "batch", 0), cand(children.sleeper(), 1 * GIB, "prod", 5)]
+    unscoped = ShedAction(grace_s=1)(command(params={"need_bytes": 1}), cands)
+    assert unscoped.outcome == "refused" and "needs a scope" in unscoped.detail
+    assert low.poll() is None
+    # a rule asking for priority 50 does not make the priority-5 job's peers at 10 victims
+    peer = cand(children.sleeper(), 8 * GIB, "peer", 10)
+    planned = ShedAction(allowed_uids={0})(
+        command(params={"need_bytes": 1, "priority": 50}, dry_run=True), [*cands, peer]
+    )
+    assert planned.data["protected_priority"] == 5
+    assert [v["job"] for v in planned.data["victims"]] == ["batch"]

@@ -200,21 +200,25 @@ def test_second_action_while_one_runs_is_busy(rclient: redis.Redis, key_prefix: 
         first = h.command()
         h.send(sign_command(first, SECRET))
         assert h.executor.entered.wait(10)
-        h.send(sign_command(h.command(), SECRET))  # the same (device, action)
+        h.send(sign_command(h.command(), SECRET))  # the same job's checkpoint again
         busy = h.wait_events(1)[0]
         assert busy["event"] == "command_refused" and busy["reason"] == "busy"
-        assert h.listener.running == [("gpu0", "checkpoint")]
-        # another device, or another action, is not held up
+        job = first["job"]
+        assert h.listener.running == [(f"job:{job}", "checkpoint")]
+        # the same job's checkpoint asked from another GPU is the same action: busy too
         h.send(sign_command(h.command(device="gpu1"), SECRET))
+        assert h.wait_events(2)[-1]["reason"] == "busy"
+        # another job's checkpoint, or another action, is not held up
+        h.send(sign_command(h.command(job="other-job"), SECRET))
         h.send(sign_command(h.command(action="shed"), SECRET))
         assert wait_until(lambda: len(h.executor.calls) == 3, 10)
         gate.set()
-        events = h.wait_events(4)
+        events = h.wait_events(5)
         results = [e for e in events if e["event"] == "action_result"]
-        assert {(e["device"], e["action"]) for e in results} == {
-            ("gpu0", "checkpoint"),
-            ("gpu1", "checkpoint"),
-            ("gpu0", "shed"),
+        assert {(e["job"], e["action"]) for e in results} == {
+            (job, "checkpoint"),
+            ("other-job", "checkpoint"),
+            (job, "shed"),
         }
         assert h.listener.wait_idle(5)
         # once done, the same action may run again
@@ -363,3 +367,21 @@ def test_listener_refuses_empty_secret(rclient: redis.Redis) -> None:
     with pytest.raises(ValueError):
         ControlListener(rclient, Keys("x"), NODE, "", {}, lambda c: [])
     assert SECRET not in repr(ControlListener(rclient, Keys("x"), NODE, SECRET, {}, lambda c: []))
+
+
+def test_a_command_issued_before_the_agent_started_is_not_run(
+    rclient: redis.Redis, key_prefix: str
+) -> None:
+    """Nonces live in memory: after a restart, an old (still unexpired) entry added again
+    must not run a second time."""
+    h = Harness(rclient, key_prefix, executor=Recorder())
+    h.listener.start()
+    try:
+        old = h.command(now=time.time() - 200, ttl_s=300)
+        h.send(sign_command(old, SECRET))
+        [event] = h.wait_events(1)
+        assert event["event"] == "command_refused" and event["reason"] == "replayed"
+        assert "before this agent started" in event["message"]
+        assert h.executor.calls == []
+    finally:
+        assert h.listener.stop(10)

@@ -89,6 +89,8 @@ class Stack:
                 "0.25",
                 "--shed-grace",
                 "2",
+                "--shed-uids",
+                str(os.getuid()),
                 "--metrics-port",
                 "0",
             ),
@@ -135,6 +137,7 @@ TRAINER = [sys.executable, "-m", "oomcast.training.leaky_trainer"]
 TRAIN_ARGS = ["--leak-after", "40", "--width", "1024", "--batch", "256", "--step-s", "0.06"]
 
 
+@pytest.mark.timeout(400)
 def test_checkpoint_before_the_oom_saves_the_work(
     make_cgroup: Any, redis_url: str, key_prefix: str, tmp_path: Path
 ) -> None:
@@ -238,6 +241,7 @@ def start_pair(cg: MemoryCgroup, env: dict[str, str], tmp: Path) -> tuple[Any, A
     return hi, lo
 
 
+@pytest.mark.timeout(300)
 def test_shedding_the_low_priority_job_lets_the_high_priority_one_finish(
     make_cgroup: Any, redis_url: str, key_prefix: str, tmp_path: Path
 ) -> None:
@@ -293,12 +297,9 @@ def test_forged_expired_and_replayed_commands_are_refused_and_audited(
     make_cgroup: Any, redis_url: str, key_prefix: str, tmp_path: Path
 ) -> None:
     cg = make_cgroup("oomcast-ctl", 256 * MIB)
-    victim = run_in(
-        cg,
-        [sys.executable, "-S", "-c", HOLD.format(mib=20, seconds=60)],
-        dict(os.environ),
-        tmp_path / "v.log",
-    )
+    hold = [sys.executable, "-S", "-c", HOLD.format(mib=20, seconds=60)]
+    keeper = run_in(cg, hold, {**os.environ, "OOMCAST_PRIORITY": "5"}, tmp_path / "k.log")
+    victim = run_in(cg, hold, {**os.environ, "OOMCAST_PRIORITY": "0"}, tmp_path / "v.log")
     stack = Stack(
         tmp_path,
         redis_url,
@@ -335,7 +336,9 @@ def test_forged_expired_and_replayed_commands_are_refused_and_audited(
         assert wait_until(lambda: refusals() == expected, 20), (refusals(), stack.audit())
         results = [a for a in stack.audit() if a.get("event") == "action_result"]
         assert [r["outcome"] for r in results] == ["dry_run"]  # only the good one ran, dry
-        assert victim.poll() is None  # nobody was shed
+        assert results[0]["data"]["victims"][0]["pid"] == victim.pid  # whom it would stop
+        assert victim.poll() is None and keeper.poll() is None  # nobody was shed
     finally:
         victim.kill()
+        keeper.kill()
         stack.close()

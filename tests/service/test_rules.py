@@ -66,6 +66,16 @@ RISK_RULE = {
         ({**RISK_RULE, "name": "bad name"}, "'bad name': name: String should match"),
         ({**RISK_RULE, "when": {"risk_above": 1.5, "horizon_s": 60}}, ": when.risk_above"),
         ({**RISK_RULE, "actions": []}, ": actions: List should have at least 1 item"),
+        (
+            {**RISK_RULE, "actions": ["shed"], "params": {"shed": {"target_frac": "85%"}}},
+            "params.shed.target_frac",
+        ),
+        (
+            {**RISK_RULE, "actions": ["shed"], "params": {"shed": {"grace_s": 5}}},
+            "params.shed.grace_s: Extra inputs are not permitted",
+        ),
+        ({**RISK_RULE, "params": {"shed": {}}}, "params for actions the rule does not take"),
+        ({**RISK_RULE, "when": {"model_rule": True, "horizon_s": 60}}, "drop horizon_s"),
     ],
 )
 def test_a_bad_rule_is_refused_naming_rule_and_field(
@@ -124,6 +134,27 @@ def test_cooldown_suppresses_actions_and_repeat_renews_them(monkeypatch: Any) ->
     assert "cooldown" in out["reason"]
 
 
+def test_an_episode_that_outlasts_its_cooldown_acts_when_it_ends(monkeypatch: Any) -> None:
+    now = [1000.0]
+    monkeypatch.setattr("oomcast.service.rules.time.time", lambda: now[0])
+    [rule] = load_rules_from({**RISK_RULE, "cooldown_s": 60})
+    t = Tracker()
+    for _ in range(2):
+        step_rule(t, rule, sample(), fc(0.9), "train")
+    for _ in range(2):
+        step_rule(t, rule, sample(), fc(0.1), "train")  # resolved at t=1000
+    now[0] += 10
+    for _ in range(2):
+        out = step_rule(t, rule, sample(), fc(0.9), "train")
+    assert out is not None and out["suppressed"] is True
+    now[0] += 30
+    assert step_rule(t, rule, sample(), fc(0.9), "train") is None  # still in the cooldown
+    now[0] += 30
+    acted = step_rule(t, rule, sample(), fc(0.9), "train")
+    assert acted is not None and acted["suppressed"] is False and acted["status"] == "firing"
+    assert "cooldown ended" in acted["reason"]
+
+
 def test_time_to_oom_detector_and_match() -> None:
     [rule] = load_rules_from(
         {
@@ -165,8 +196,9 @@ def test_dispatcher_records_what_it_did_and_signs_node_commands() -> None:
         control_secret="k",
     )
     t = Tracker()
-    step_rule(t, rules[0], sample(), fc(0.9), "train")
-    payload = step_rule(t, rules[0], sample(), fc(0.9), "train")
+    now = time.time()
+    step_rule(t, rules[0], sample(now), fc(0.9, ts=now), "train")
+    payload = step_rule(t, rules[0], sample(now), fc(0.9, ts=now), "train")
     assert payload is not None
     d.submit(payload)
     assert sent == [payload]
@@ -186,6 +218,19 @@ def test_dispatcher_records_what_it_did_and_signs_node_commands() -> None:
     d.submit(payload2)
     assert payload2["dispatched"]["webhook"] == "dry_run" and len(sent) == 1
     assert payload2["dispatched"]["checkpoint"]["dry_run"] is True
+    # a forecast read long after its sample (a backlog) sends no command
+    old = dict(payload, observed_at=now - 3600)
+    d.submit(old)
+    assert str(old["dispatched"]["checkpoint"]).startswith("stale")
+    assert len(d.outbox) == 4
+    # a repeated shed once the domain is back under target_frac stops nobody else
+    calm = dict(payload, repeat=True, used_bytes=50)
+    d.submit(calm)
+    assert calm["dispatched"]["shed"].startswith("n/a") and len(d.outbox) == 5  # checkpoint only
+    # a broken dispatch is recorded on the alert, never raised into the ingest loop
+    broken = dict(payload, total_bytes="lots")
+    d.submit(broken)
+    assert "error" in broken["dispatched"]
 
 
 def test_shedding_is_dry_run_unless_a_rule_says_otherwise() -> None:

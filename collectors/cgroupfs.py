@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from oomcast.model.schema import Sample
+
 V1_MOUNT = Path("/sys/fs/cgroup/memory")
 V2_MOUNTS = (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
 V1_UNLIMITED = 1 << 62  # v1 reports "no limit" as PAGE_COUNTER_MAX pages, ~9.2e18 bytes
@@ -192,6 +194,23 @@ class Reading:
     peak_bytes: int | None
     retries: int | None
     oom_kills: int | None  # None: this kernel keeps no OOM-kill counter (v1 before 4.13)
+
+    def sample(self, ts: float, node: str, device: str, job: str | None) -> Sample:
+        """This read as a trace sample: the limit is the capacity (it must have one)."""
+        if self.limit_bytes is None:
+            raise CgroupError(f"{device} has no memory limit; nothing to forecast")
+        return Sample(
+            ts=ts,
+            node=node,
+            device=device,
+            kind="host",
+            total_bytes=self.limit_bytes,
+            used_bytes=self.usage_bytes,
+            allocated_bytes=self.anon_bytes,
+            peak_bytes=self.peak_bytes,
+            alloc_retries=self.retries,
+            job=job,
+        )
 
 
 class MemoryCgroup:

@@ -25,12 +25,12 @@ import logging
 import re
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import httpx
+from oomcast.service.delivery import OrderedSender
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,9 @@ class _Firing:
     due: float  # time.monotonic() of the next re-send
 
 
-class AlertmanagerSender:
+class AlertmanagerSender(OrderedSender):
+    what = "alertmanager"
+
     def __init__(
         self,
         url: str,
@@ -176,26 +178,22 @@ class AlertmanagerSender:
     ) -> None:
         if resend_s <= 0:
             raise ValueError("resend_s must be positive")
+        super().__init__(
+            timeout_s=timeout_s,
+            max_attempts=max_attempts,
+            backoff_s=backoff_s,
+            backoff_max_s=backoff_max_s,
+            queue_size=queue_size,
+            on_result=on_result,
+        )
         self.url = url.rstrip("/") + "/api/v2/alerts"
         self.resend_s = resend_s
         self.lease_s = max(3 * resend_s, MIN_LEASE_S)
-        self.timeout_s = timeout_s
-        self.max_attempts = max_attempts
-        self.backoff_s = backoff_s
-        self.backoff_max_s = backoff_max_s
         self.generator_url = generator_url
         self._clock = clock
-        self._queue: asyncio.Queue[_Delivery] = asyncio.Queue(maxsize=queue_size)
-        self._on_result = on_result or (lambda result: None)
-        self._client: httpx.AsyncClient | None = None
-        self._worker: asyncio.Task[None] | None = None
         self._resender: asyncio.Task[None] | None = None
-        self._inflight: set[asyncio.Task[None]] = set()
-        self._slots = asyncio.Semaphore(32)
         self._firing: dict[AlertKey, _Firing] = {}
         self._pending: Counter[AlertKey] = Counter()  # queued or in flight, per alert
-        # The newest delivery per alert: the next one for that alert waits for it.
-        self._last_of_key: dict[AlertKey, asyncio.Task[None]] = {}
 
     @property
     def firing(self) -> list[AlertKey]:
@@ -225,24 +223,18 @@ class AlertmanagerSender:
         return False
 
     def _enqueue(self, delivery: _Delivery) -> bool:
-        try:
-            self._queue.put_nowait(delivery)
-        except asyncio.QueueFull:
-            self._on_result("dropped")
-            log.error(
-                "alertmanager queue full; dropped %s alert %s for %s/%s",
-                delivery.payload.get("status"),
-                delivery.key[2],
-                delivery.key[0],
-                delivery.key[1],
-            )
+        if not self._put(delivery.key, delivery, _describe(delivery)):
             return False
         self._pending[delivery.key] += 1
         return True
 
+    def _finished(self, key: Hashable) -> None:
+        self._pending[key] -= 1  # type: ignore[index]
+        if self._pending[key] <= 0:  # type: ignore[index]
+            del self._pending[key]  # type: ignore[arg-type]
+
     async def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=self.timeout_s)
-        self._worker = asyncio.create_task(self._dispatch(), name="alertmanager-dispatch")
+        await super().start()
         self._resender = asyncio.create_task(self._resend(), name="alertmanager-resend")
 
     async def stop(self, grace_s: float = 2.0) -> None:
@@ -251,18 +243,7 @@ class AlertmanagerSender:
         if self._resender:
             self._resender.cancel()
             await asyncio.gather(self._resender, return_exceptions=True)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(grace_s):
-                while not self._queue.empty() or self._inflight:
-                    await asyncio.sleep(0.05)
-        if self._worker:
-            self._worker.cancel()
-            await asyncio.gather(self._worker, return_exceptions=True)
-        for task in list(self._inflight):
-            task.cancel()
-        await asyncio.gather(*self._inflight, return_exceptions=True)
-        if self._client:
-            await self._client.aclose()
+        await super().stop(grace_s)
 
     async def _resend(self) -> None:
         while True:
@@ -277,26 +258,6 @@ class AlertmanagerSender:
                         self._enqueue(_Delivery(key, st.payload, st.starts_at, None))
                 wait = min(wait, st.due - now)
             await asyncio.sleep(max(wait, 0.01))
-
-    async def _dispatch(self) -> None:
-        while True:
-            delivery = await self._queue.get()
-            await self._slots.acquire()
-            key = delivery.key
-            before = self._last_of_key.get(key)
-            task = asyncio.create_task(self._deliver(delivery, after=before))
-            self._last_of_key[key] = task
-            self._inflight.add(task)
-            task.add_done_callback(lambda t, k=key: self._done(t, k))
-
-    def _done(self, task: asyncio.Task[None], key: AlertKey) -> None:
-        self._inflight.discard(task)
-        self._slots.release()
-        self._pending[key] -= 1
-        if self._pending[key] <= 0:
-            del self._pending[key]
-        if self._last_of_key.get(key) is task:
-            del self._last_of_key[key]
 
     def _body(self, delivery: _Delivery) -> bytes:
         """The JSON list of one alert, as Alertmanager's API v2 takes it."""
@@ -313,56 +274,12 @@ class AlertmanagerSender:
             alert["generatorURL"] = self.generator_url
         return json.dumps([alert], separators=(",", ":")).encode()
 
-    async def _deliver(self, delivery: _Delivery, after: asyncio.Task[None] | None = None) -> None:
-        assert self._client is not None
-        if after is not None:
-            await asyncio.wait([after])
+    async def _deliver(self, delivery: _Delivery) -> None:
         headers = {"Content-Type": "application/json", "User-Agent": "oomcast"}
-        status, (node, device, name) = delivery.payload.get("status"), delivery.key
-        delay = self.backoff_s
-        for attempt in range(1, self.max_attempts + 1):
-            try:
-                body = self._body(delivery)  # anew each time: a firing's endsAt moves on
-                resp = await self._client.post(self.url, content=body, headers=headers)
-                if resp.status_code < 300:
-                    self._on_result("delivered")
-                    return
-                # 4xx other than 408/429 will not get better by retrying.
-                if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
-                    log.error(
-                        "alertmanager refused %s %s for %s/%s (%d): %s",
-                        status,
-                        name,
-                        node,
-                        device,
-                        resp.status_code,
-                        resp.text[:200],
-                    )
-                    self._on_result("refused")
-                    return
-                problem = f"HTTP {resp.status_code}"
-            except httpx.HTTPError as exc:
-                problem = f"{type(exc).__name__}: {exc}"
-            self._on_result("retry")
-            if attempt == self.max_attempts:
-                break
-            log.warning(
-                "alertmanager attempt %d for %s/%s failed (%s); retrying in %.1fs",
-                attempt,
-                node,
-                device,
-                problem,
-                delay,
-            )
-            await asyncio.sleep(delay)
-            delay = min(self.backoff_max_s, delay * 2)
-        log.error(
-            "alertmanager gave up on %s %s for %s/%s after %d attempts: %s",
-            status,
-            name,
-            node,
-            device,
-            self.max_attempts,
-            problem,
-        )
-        self._on_result("failed")
+        # the body anew for each attempt: a firing's endsAt moves on
+        await self._post(self.url, lambda: self._body(delivery), headers, _describe(delivery))
+
+
+def _describe(delivery: _Delivery) -> str:
+    node, device, name = delivery.key
+    return f"{delivery.payload.get('status')} {name} for {node}/{device}"

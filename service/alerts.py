@@ -48,6 +48,36 @@ class AlertTracker:
     fired_at: float | None = None
 
 
+def forecast_fields(
+    status: str,
+    sample: Sample,
+    forecast: Forecast,
+    *,
+    job: str | None,
+    fired_at: float | None,
+    episode: str | None,
+    reason: str,
+) -> dict[str, Any]:
+    """What every alert carries (DESIGN.md): the domain, and the forecast and sample that
+    caused it, so the decision can be explained afterwards."""
+    return {
+        "status": status,
+        "node": sample.node,
+        "device": sample.device,
+        "job": job if job is not None else sample.job,
+        "risk": {str(h): round(p, 6) for h, p in forecast.risk.items()},
+        "time_to_oom_s": forecast.time_to_oom_s,
+        "observed_at": forecast.observed_at,
+        "fired_at": fired_at,
+        "sent_at": time.time(),
+        "model_version": forecast.model_version,
+        "episode": episode,
+        "reason": reason,
+        "used_bytes": sample.used_bytes,
+        "total_bytes": sample.total_bytes,
+    }
+
+
 def alert_payload(
     status: str,
     sample: Sample,
@@ -57,24 +87,18 @@ def alert_payload(
     reason: str,
     job: str | None = None,
 ) -> dict[str, Any]:
-    return {
-        "status": status,
-        "node": sample.node,
-        "device": sample.device,
-        "job": job if job is not None else sample.job,
-        "risk": {str(h): round(p, 6) for h, p in forecast.risk.items()},
-        "time_to_oom_s": forecast.time_to_oom_s,
-        "observed_at": forecast.observed_at,
-        "fired_at": tracker.fired_at,
-        "sent_at": time.time(),
-        "action": policy.action,
-        "model_version": forecast.model_version,
-        "episode": tracker.episode,
-        "rule": policy.describe(),
-        "reason": reason,
-        "used_bytes": sample.used_bytes,
-        "total_bytes": sample.total_bytes,
-    }
+    out = forecast_fields(
+        status,
+        sample,
+        forecast,
+        job=job,
+        fired_at=tracker.fired_at,
+        episode=tracker.episode,
+        reason=reason,
+    )
+    out["action"] = policy.action
+    out["rule"] = policy.describe()
+    return out
 
 
 def update(

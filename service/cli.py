@@ -186,7 +186,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
     # The agent ticks at the shortest source interval; each source says when it is due. A
     # replay checks its clock more often than it samples, to keep the trace's own spacing.
     intervals = [float(getattr(s, "interval_s", args.interval)) for s in sources]
-    if any(isinstance(s, _replay_type()) for s in sources):
+    if "replay" in _parse_sources(args.source):
         intervals.append(0.05)
     agent = NodeAgent(sources, publisher, _keys_from_env(), interval_s=min(intervals))
     listener = _control_listener(args, client, agent)
@@ -270,12 +270,6 @@ def _control_listener(args: argparse.Namespace, client: Any, agent: Any) -> Any:
         proc_root=args.proc_root,
     )
     return ControlListener(client, agent.keys, args.node, secret, executors, resolve)
-
-
-def _replay_type() -> type:
-    from oomcast.collectors.sources.replay import ReplaySource
-
-    return ReplaySource
 
 
 def cmd_dump(args: argparse.Namespace) -> int:

@@ -36,12 +36,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from oomcast.model.forecast import HORIZONS_S, AlertRule, Forecast
 from oomcast.model.schema import Sample
+from oomcast.service.alerts import forecast_fields
 
 ACTIONS = ("webhook", "alertmanager", "checkpoint", "shed")
 NODE_ACTIONS = ("checkpoint", "shed")  # carried out by the node agent, through control
@@ -305,7 +306,7 @@ def build_rule(spec: RuleSpec, default: AlertPolicyLike) -> Rule:
     )
 
 
-class AlertPolicyLike:  # the shape of service.alerts.AlertPolicy that build_rule reads
+class AlertPolicyLike(Protocol):  # what build_rule reads of service.alerts.AlertPolicy
     rule: AlertRule
     resolve_risk: float
     fire_after: int
@@ -395,35 +396,31 @@ def rule_payload(
     reason: str,
     job: str | None,
 ) -> dict[str, Any]:
-    """An alert of one rule: the shared alert payload (DESIGN.md) plus what the rule says to
-    do, and the forecast that caused it (every field needed to explain the decision)."""
-    horizon = rule.horizon_s
-    return {
-        "status": status,
-        "node": sample.node,
-        "device": sample.device,
-        "job": job if job is not None else sample.job,
-        "risk": {str(h): round(p, 6) for h, p in forecast.risk.items()},
-        "time_to_oom_s": forecast.time_to_oom_s,
-        "observed_at": forecast.observed_at,
-        "fired_at": tracker.fired_at,
-        "sent_at": time.time(),
-        "action": ",".join(rule.actions),
-        "actions": list(rule.actions),
-        "model_version": forecast.model_version,
-        "episode": tracker.episode,
-        "rule": rule.describe(),
-        "rule_name": rule.name,
-        "severity": rule.severity,
-        "priority": rule.priority,
-        "dry_run": sorted(rule.dry_run),  # the actions that only say what they would do
-        "suppressed": tracker.suppressed,
-        "horizon_s": horizon,
-        "reason": reason,
-        "used_bytes": sample.used_bytes,
-        "total_bytes": sample.total_bytes,
-        "kind": sample.kind,
-    }
+    """An alert of one rule: the fields every alert carries plus what the rule says to do."""
+    out = forecast_fields(
+        status,
+        sample,
+        forecast,
+        job=job,
+        fired_at=tracker.fired_at,
+        episode=tracker.episode,
+        reason=reason,
+    )
+    out.update(
+        {
+            "action": ",".join(rule.actions),
+            "actions": list(rule.actions),
+            "rule": rule.describe(),
+            "rule_name": rule.name,
+            "severity": rule.severity,
+            "priority": rule.priority,
+            "dry_run": sorted(rule.dry_run),  # the actions that only say what they would do
+            "suppressed": tracker.suppressed,
+            "horizon_s": rule.horizon_s,
+            "kind": sample.kind,
+        }
+    )
+    return out
 
 
 def step_rule(

@@ -205,3 +205,26 @@ def start_serve(env: dict[str, str], port: int) -> subprocess.Popen[bytes]:
         proc.wait()
         raise AssertionError("oomcast serve did not become ready")
     return proc
+
+
+# --- memory cgroups of either version, as fixture trees ------------------------------------
+
+
+@pytest.fixture
+def v1(tmp_path: Path) -> Any:
+    """A cgroup v1 memory directory as the kernel lays it out (tests/support.py)."""
+    from support import v1_files, write_files
+
+    from oomcast.collectors.cgroupfs import MemoryCgroup
+
+    return MemoryCgroup(write_files(tmp_path / "v1" / "job-a", v1_files()), version=1)
+
+
+@pytest.fixture
+def v2(tmp_path: Path) -> Any:
+    """A cgroup v2 memory directory as the kernel lays it out (tests/support.py)."""
+    from support import v2_files, write_files
+
+    from oomcast.collectors.cgroupfs import MemoryCgroup
+
+    return MemoryCgroup(write_files(tmp_path / "v2" / "job-b", v2_files()), version=2)

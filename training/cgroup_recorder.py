@@ -7,23 +7,10 @@ joins the cgroup between ``fork`` and ``exec`` (so even the interpreter start-up
 workload is charged to it), and the cgroup is sampled every ``interval_s`` until the process
 exits. The cgroup is removed afterwards, killing anything the workload left behind in it.
 
-Both cgroup versions are read:
-
-============== =============================== ===========================
-field          v1                              v2
-============== =============================== ===========================
-total_bytes    memory.limit_in_bytes           memory.max
-used_bytes     memory.usage_in_bytes           memory.current
-allocated      memory.stat total_rss (or rss)  memory.stat anon
-peak_bytes     memory.max_usage_in_bytes       memory.peak
-alloc_retries  memory.failcnt                  memory.events ``max``
-oom kills      memory.oom_control ``oom_kill`` memory.events ``oom_kill``
-============== =============================== ===========================
-
-The peak is reset after each read (v1: write 0 to ``memory.max_usage_in_bytes``; v2, kernel
-6.12+: write to the same open ``memory.peak`` descriptor), so ``peak_bytes`` is the highest
-use since the previous sample as DESIGN.md defines it. Where the kernel cannot reset the v2
-peak, ``peak_bytes`` is left out rather than reporting a peak since creation.
+Both cgroup versions are read, through ``collectors/cgroupfs.py`` (its docstring maps each
+trace field to the v1 and v2 files). Each read resets the peak, so ``peak_bytes`` is the
+highest use since the previous sample as DESIGN.md defines it; where the kernel cannot reset
+it, ``peak_bytes`` is left out rather than reporting a peak since creation.
 
 An OOM is the cgroup's ``oom_kill`` counter rising above its value at creation. A tick reads
 the counter *after* the usage figures, so a sample is only written when it was read entirely
@@ -58,7 +45,7 @@ from oomcast.collectors.cgroupfs import (  # noqa: F401  (re-exported)
     parse_flat_keyed,
     parse_size,
 )
-from oomcast.model.schema import Event, Record, Sample
+from oomcast.model.schema import Event, Record
 from oomcast.model.trace import write_trace
 
 DEFAULT_INTERVAL_S = 0.2
@@ -113,23 +100,9 @@ class CgroupMonitor:
         if kills > self.base_oom_kills:
             self._mark_oom(kills, now)
             return True
-        limit = reading.limit_bytes
-        if limit is None:
+        if reading.limit_bytes is None:
             raise CgroupError(f"{self.cgroup.path} has no memory limit; nothing to forecast")
-        self.records.append(
-            Sample(
-                ts=self._ts(now),
-                node=self.node,
-                device=self.device,
-                kind="host",
-                total_bytes=limit,
-                used_bytes=reading.usage_bytes,
-                allocated_bytes=reading.anon_bytes,
-                peak_bytes=reading.peak_bytes,
-                alloc_retries=reading.retries,
-                job=self.job,
-            )
-        )
+        self.records.append(reading.sample(self._ts(now), self.node, self.device, self.job))
         self.samples += 1
         return False
 

@@ -46,7 +46,7 @@ from oomcast.collectors.cgroupfs import (
     parse_flat_keyed,
 )
 from oomcast.collectors.procinfo import job_name, parse_cgroup_path
-from oomcast.model.schema import Event, Record, Sample
+from oomcast.model.schema import Event, Record
 
 log = logging.getLogger(__name__)
 
@@ -262,20 +262,7 @@ class CgroupSource:
             alive.append((dom, ts))
             limit = reading.limit_bytes
             if limit is not None and limit > 0:  # a zero limit is a cgroup being torn down
-                out.append(
-                    Sample(
-                        ts=ts,
-                        node=self.node,
-                        device=dom.device,
-                        kind="host",
-                        total_bytes=limit,
-                        used_bytes=reading.usage_bytes,
-                        allocated_bytes=reading.anon_bytes,
-                        peak_bytes=reading.peak_bytes,
-                        alloc_retries=reading.retries,
-                        job=dom.job,
-                    )
-                )
+                out.append(reading.sample(ts, self.node, dom.device, dom.job))
             kills = self._v1_kills(dom.members) if self.version == 1 else reading.oom_kills
             if kills is not None and dom.kills is not None and kills > dom.kills:
                 raw[rel] = kills - dom.kills

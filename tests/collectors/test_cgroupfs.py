@@ -12,17 +12,6 @@ from support import LIMIT, MIB, v1_files, v2_files, write_files
 from oomcast.collectors import cgroupfs as cr
 from oomcast.collectors.cgroupfs import CgroupError, CgroupUnavailable, MemoryCgroup
 
-
-@pytest.fixture
-def v1(tmp_path: Path) -> MemoryCgroup:
-    return MemoryCgroup(write_files(tmp_path / "v1" / "job-a", v1_files()), version=1)
-
-
-@pytest.fixture
-def v2(tmp_path: Path) -> MemoryCgroup:
-    return MemoryCgroup(write_files(tmp_path / "v2" / "job-b", v2_files()), version=2)
-
-
 # --- parsing -------------------------------------------------------------------------------
 
 

@@ -20,17 +20,6 @@ from oomcast.training.cgroup_recorder import (
     MemoryCgroup,
 )
 
-
-@pytest.fixture
-def v1(tmp_path: Path) -> MemoryCgroup:
-    return MemoryCgroup(write_files(tmp_path / "v1" / "job-a", v1_files()), version=1)
-
-
-@pytest.fixture
-def v2(tmp_path: Path) -> MemoryCgroup:
-    return MemoryCgroup(write_files(tmp_path / "v2" / "job-b", v2_files()), version=2)
-
-
 # --- turning reads into a trace ------------------------------------------------------------
 
 

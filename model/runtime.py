@@ -2,7 +2,9 @@
 
 Each memory domain owns a slot in two preallocated arrays holding the LSTM's ``h`` and
 ``c``; a step gathers the slots of the domains in the batch, runs one ONNX call, and
-scatters the new state back. A domain's embedding comes from the node when its schema
+scatters the new state back for the domains whose tick is due (the network advances once
+per ``tick_s`` of trace time; a sample in between is forecast from the committed state,
+which it leaves as it was). A domain's embedding comes from the node when its schema
 version matches the model's, else it is computed here from the raw sample. Only this
 module of ``model/`` imports onnxruntime.
 """
@@ -11,14 +13,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from oomcast.model.embedding import EMBEDDING_VERSION, EmbeddingState
+from oomcast.model.embedding import EMBEDDING_VERSION, TICK_TOLERANCE, EmbeddingState
 from oomcast.model.forecast import AlertRule, Forecast, RiskRow
 from oomcast.model.schema import Sample
 
@@ -34,38 +36,7 @@ class ModelLoadError(RuntimeError):
 class Slot:
     index: int
     emb: EmbeddingState = field(default_factory=EmbeddingState)
-
-
-def times_to_oom(risk: np.ndarray, horizons: np.ndarray) -> list[float | None]:
-    """``time_to_oom`` for a batch (batch, H) at once."""
-    n = risk.shape[0]
-    if n <= 16:
-        hs = horizons.tolist()
-        return [time_to_oom(row, hs) for row in risk.tolist()]
-    ys = np.concatenate([np.zeros((n, 1), risk.dtype), risk], axis=1)
-    xs = np.concatenate([[0.0], horizons])
-    crossed = ys >= 0.5
-    k = np.argmax(crossed, axis=1)
-    rows = np.arange(n)
-    found = crossed[rows, k] & (k > 0)
-    k = np.maximum(k, 1)
-    y0, y1 = ys[rows, k - 1], ys[rows, k]
-    t = xs[k - 1] + (0.5 - y0) * (xs[k] - xs[k - 1]) / np.maximum(y1 - y0, 1e-9)
-    return [float(v) if ok else None for v, ok in zip(t.tolist(), found.tolist(), strict=True)]
-
-
-def time_to_oom(risk: Sequence[float], horizons: Sequence[float]) -> float | None:
-    """Median time to OOM read off one risk curve (linear between horizons), or None when
-    the risk within the longest horizon stays under one half. Plain Python: for a few rows
-    numpy's per-call overhead costs more than the arithmetic."""
-    if risk[-1] < 0.5:
-        return None
-    x0, y0 = 0.0, 0.0
-    for x1, y1 in zip(horizons, risk, strict=True):
-        if y1 >= 0.5:
-            return float(x0 + (0.5 - y0) * (x1 - x0) / max(y1 - y0, 1e-9))
-        x0, y0 = x1, y1
-    return None  # unreachable: the last risk is >= 0.5
+    tick_ts: float = -math.inf  # ts of the sample the committed LSTM state ends with
 
 
 class OnnxForecaster:
@@ -110,6 +81,10 @@ class OnnxForecaster:
         self.rule = AlertRule(
             int(rule["horizon_s"]), float(rule["threshold"]), int(rule.get("fire_after", 1))
         )
+        self.tick_s = float(meta.get("oomcast.tick_s", "1.0"))
+        # a time to OOM is reported once the risk within the longest horizon reaches this
+        self.tto_min_risk = float(meta.get("oomcast.tto_min_risk", str(self.rule.fire_risk)))
+        self._tick_min_s = TICK_TOLERANCE * self.tick_s
         self.metadata: dict[str, Any] = {k: v for k, v in meta.items()}
         self.provider = self.session.get_providers()[0]
         self.path = path
@@ -165,28 +140,47 @@ class OnnxForecaster:
             idx: slice | np.ndarray = slice(i, i + 1)
         else:
             idx = np.fromiter((st.index for st in states), dtype=np.intp, count=n)
-        risk, h, c = self.session.run(
+        risk, tto, h, c = self.session.run(
             None, {"x": x[:, None, :], "h": self._h[:, idx], "c": self._c[:, idx]}
         )
-        risk = risk[:, 0, :]
-        self._h[:, idx] = h
-        self._c[:, idx] = c
-        return self._forecasts(risk, samples)
+        risk, tto = risk[:, 0, :], tto[:, 0]
+        tick_min = self._tick_min_s
+        due = [s.ts - st.tick_ts >= tick_min for st, s in zip(states, samples, strict=True)]
+        if all(due):
+            self._h[:, idx] = h
+            self._c[:, idx] = c
+        elif any(due):
+            rows = np.flatnonzero(due)
+            sel = np.asarray(idx)[rows] if n > 1 else np.asarray([states[0].index])
+            self._h[:, sel] = h[:, rows]
+            self._c[:, sel] = c[:, rows]
+        for st, s, d in zip(states, samples, due, strict=True):
+            if d:
+                st.tick_ts = s.ts
+        return self._forecasts(risk, tto, samples)
 
     def window(self, samples: list[Sample]) -> list[Forecast]:
-        """Forecasts for every sample of one domain's window, in one call from a zero state
-        (the stateless path of ``POST /v1/predict``; live state is not touched)."""
+        """Forecasts for every sample of one domain's window, from a fresh state, stepped
+        exactly as a live domain is (the stateless path of ``POST /v1/predict``; live
+        state is not touched)."""
         if not samples:
             return []
-        emb = EmbeddingState()
-        x = np.asarray([[emb.embed(s) for s in samples]], dtype=np.float32)
-        zero = np.zeros((self.layers, 1, self.hidden), np.float32)
-        risk = self.session.run(None, {"x": x, "h": zero, "c": zero})[0][0]
-        return self._forecasts(risk, samples)
+        state = self.init_state()
+        try:
+            return [self.step([state], [s])[0] for s in samples]
+        finally:
+            self.release(state)
 
-    def _forecasts(self, risk: np.ndarray, samples: list[Sample]) -> list[Forecast]:
-        """One Forecast per row of ``risk`` (rows, H), made from ``samples[i]``."""
-        ttos = times_to_oom(risk, self._horizons)
+    def _forecasts(
+        self, risk: np.ndarray, tto: np.ndarray, samples: list[Sample]
+    ) -> list[Forecast]:
+        """One Forecast per row of ``risk`` (rows, H), made from ``samples[i]``; the time to
+        OOM from the network's own head, where the risk says an OOM is in sight."""
+        floor = self.tto_min_risk
+        ttos = [
+            float(t) if r >= floor else None
+            for t, r in zip(tto.tolist(), risk[:, -1].tolist(), strict=True)
+        ]
         index = self._index
         version = self.version
         new, cls = tuple.__new__, Forecast  # Forecast(...) without its Python-level __new__

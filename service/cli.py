@@ -16,6 +16,7 @@ from typing import Any
 
 PROG = "oomcast"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+CORPUS_TRACES = Path(__file__).resolve().parents[1] / "training" / "traces" / "corpus"
 HOST_TRACES = Path(__file__).resolve().parents[1] / "training" / "traces" / "host"
 
 
@@ -348,7 +349,17 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     model = _model_detector(args.model)
     if model is not None:
         detectors.insert(0, model)
-    result = evaluate(detectors, paths, min_lead_s=args.min_lead, view=args.view)
+    if args.resample_s is not None and not 0 < args.resample_s < float("inf"):
+        raise UsageError(f"--resample-s {args.resample_s:g}: must be a positive number of seconds")
+    result = evaluate(
+        detectors,
+        paths,
+        min_lead_s=args.min_lead,
+        view=args.view,
+        resample_s=args.resample_s,
+        per_trace=args.per_trace,
+        by_cause=args.by_cause,
+    )
     print(
         json.dumps(result, indent=None if args.json else 1) if args.json else format_table(result)
     )
@@ -371,30 +382,40 @@ def _model_detector(path: str | None) -> Any:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from oomcast.training.dataset import host_split
-    from oomcast.training.train import train
+    from oomcast.model.trace import find_traces
+    from oomcast.training.train import Sources, train
 
+    sim = Path(args.data) if args.data else None
+    if sim is not None:
+        for folder in (sim / "train", sim / "val"):
+            if not folder.is_dir():
+                raise UsageError(f"{folder}: not a folder of traces (run oomcast simulate first)")
+    corpus = Path(args.corpus) if args.corpus else None
+    if corpus is not None and not (corpus / "manifest.json").is_file():
+        raise UsageError(f"--corpus {corpus}: no manifest.json there")
+    host = Path(args.host_traces) if args.host_traces else None
+    if host is not None and not host.is_dir():
+        raise UsageError(f"--host-traces {host}: no such folder")
     extra = [Path(p) for p in args.extra_train]
-    for folder in [Path(args.data) / "train", Path(args.data) / "val"]:
-        if not folder.is_dir():
-            raise UsageError(f"{folder}: not a folder of traces (run oomcast simulate first)")
     for path in extra:
         if not path.exists():
             raise UsageError(f"--extra-train {path}: no such file or folder")
-    if args.host_traces:
-        if not (Path(args.host_traces) / "manifest.json").is_file():
-            raise UsageError(f"--host-traces {args.host_traces}: no manifest.json there")
-        extra += host_split(args.host_traces)[0]
+    sources = Sources(
+        sim=sim,
+        corpus=corpus,
+        host=host,
+        extra=[f for p in extra for f in (find_traces(p) if p.is_dir() else [p])],
+        shapes=args.shapes,
+        nvml_views=not args.no_nvml_views,
+    )
     train(
-        args.data,
+        sources,
         args.out,
-        extra_train=extra,
         epochs=args.epochs,
         seed=args.seed,
         max_minutes=args.max_minutes,
         patience=args.patience,
         progress=not args.no_progress,
-        nvml_views=not args.no_nvml_views,
     )
     return 0
 
@@ -412,16 +433,24 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_card(args: argparse.Namespace) -> int:
     from oomcast.training.model_card import build
 
-    for given, what in ((args.model, "--model"), (args.sim_test, "--sim-test")):
-        if not Path(given).exists():
-            raise UsageError(f"{what} {given}: no such file or folder")
-    result = build(args.model, args.sim_test, args.host_traces, args.figures)
-    out = json.dumps(result, indent=1, default=float)
+    if not Path(args.model).is_file():
+        raise UsageError(f"--model {args.model}: no such file")
+    if not Path(args.sim_test).is_dir():
+        raise UsageError(f"--sim-test {args.sim_test}: no such folder")
+    if not (Path(args.corpus) / "manifest.json").is_file():
+        raise UsageError(f"--corpus {args.corpus}: no manifest.json there")
+    result = build(
+        args.model,
+        sim_test=args.sim_test,
+        corpus=args.corpus,
+        figures_dir=args.figures,
+        out_json=args.out,
+    )
     if args.out:
-        Path(args.out).write_text(out + "\n")
-        print(f"wrote {args.out} and {', '.join(result['figures'])}")
+        figures = ", ".join(result["figures"].values())
+        print(f"wrote {args.out} and {figures} in {result['seconds']['total']:.0f}s")
     else:
-        print(out)
+        print(json.dumps(result, indent=1))
     return 0
 
 
@@ -613,22 +642,54 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.add_argument("--model", help="ONNX model to score (default: the shipped one, if any)")
+    e.add_argument(
+        "--per-trace",
+        metavar="FILE",
+        help="also write one JSON line per trace and detector (alert, lead, time-to-OOM checks)",
+    )
+    e.add_argument(
+        "--resample-s",
+        type=float,
+        metavar="S",
+        help="first downsample every trace to one sample per S seconds (peaks kept)",
+    )
+    e.add_argument(
+        "--by-cause",
+        action="store_true",
+        help="also score per cause, as the traces' manifest.json names them",
+    )
     e.set_defaults(func=cmd_evaluate)
 
-    t = sub.add_parser("train", help="train the LSTM on simulated (and real) traces")
-    t.add_argument("--data", default="data/sim", help="folder written by oomcast simulate")
-    t.add_argument("--out", default="runs/latest", help="where the checkpoint goes")
+    t = sub.add_parser(
+        "train",
+        help="train the LSTM on simulated GPUs, the real-run corpus and plain shapes",
+        description="Train the forecaster. Validation (epoch, calibration and alert rule) uses"
+        " the simulated val split and the corpus's validation programs; the corpus's test"
+        " programs and the simulated test split are never read.",
+    )
     t.add_argument(
-        "--extra-train", nargs="*", default=[], help="more traces (files or folders) to train on"
+        "--data", default="data/sim", help="folder written by oomcast simulate ('' for none)"
+    )
+    t.add_argument(
+        "--corpus",
+        default=str(CORPUS_TRACES),
+        help="the recorded real-run corpus, split by program ('' for none; default: %(default)s)",
     )
     t.add_argument(
         "--host-traces",
         default=str(HOST_TRACES),
-        help="recorded host traces: their training half (even seeds) is added; '' for none",
+        help="the first recorded host traces, all used for training ('' for none)",
     )
-    t.add_argument("--epochs", type=int, default=60)
     t.add_argument(
-        "--patience", type=int, default=30, help="stop after this many epochs without progress"
+        "--shapes", type=int, default=1200, help="plain shapes added to training (default 1200)"
+    )
+    t.add_argument("--out", default="runs/latest", help="where the checkpoint goes")
+    t.add_argument(
+        "--extra-train", nargs="*", default=[], help="more traces (files or folders) to train on"
+    )
+    t.add_argument("--epochs", type=int, default=40, help="default %(default)s")
+    t.add_argument(
+        "--patience", type=int, default=10, help="stop after this many epochs without progress"
     )
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.add_argument(
@@ -637,7 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="train on the simulated GPUs as the hook sees them only (by default each GPU trace"
         " is also shown as NVML alone sees it, without allocator figures)",
     )
-    t.add_argument("--max-minutes", type=float, default=28.0)
+    t.add_argument("--max-minutes", type=float, default=30.0, help="default %(default)s")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_train)
 
@@ -647,10 +708,14 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--version", default="lstm-dev")
     x.set_defaults(func=cmd_export)
 
-    c = sub.add_parser("card", help="measure a model for its card: figures and per-family tables")
+    c = sub.add_parser(
+        "card", help="measure a model and the baselines on held-out traces: tables and figures"
+    )
     c.add_argument("--model", default="model/oomcast-lstm.onnx")
     c.add_argument("--sim-test", default="data/sim/test", help="the simulated test split")
-    c.add_argument("--host-traces", default=str(HOST_TRACES))
+    c.add_argument(
+        "--corpus", default=str(CORPUS_TRACES), help="the recorded corpus (its test programs)"
+    )
     c.add_argument("--figures", default="docs/figures", help="where the PNGs go")
     c.add_argument("--out", help="write the numbers here as JSON (default: print them)")
     c.set_defaults(func=cmd_card)

@@ -6,6 +6,12 @@ It finds a Redis (``OOMCAST_REDIS_URL``, else one on localhost:6379, else a priv
 signature; then it shows the service's view of the GPUs through its own REST API.
 Everything it started is stopped on Ctrl-C (or after ``--duration``), and the keys it wrote
 (prefix ``oomcast-demo``) are removed.
+
+The simulated GPUs (``NODES``) mix jobs that run out of memory with jobs that only look
+busy; ``demo-node-a/gpu0`` runs a ``fast_leak`` that climbs from its start-up level to an
+OOM 62-80 s after its collector starts, so every demo shows an OOM, and whether it was
+forecast, within its first minute and a half. The closing summary (``summarize``) scores
+the alerts the webhook receiver got against the OOMs the service saw.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -30,6 +37,7 @@ import httpx
 import redis
 import uvicorn
 
+from oomcast.collectors.sources.sim import OOM_PATTERNS
 from oomcast.service.main import create_app
 from oomcast.service.settings import Settings
 from oomcast.service.webhook import SIGNATURE_HEADER, verify_signature
@@ -37,6 +45,15 @@ from oomcast.service.webhook import SIGNATURE_HEADER, verify_signature
 PREFIX = "oomcast-demo"
 PARTITIONS = 2
 GIB = 1 << 30
+# (node, patterns cycled over its GPUs, seed): what the demo's ``oomcast collect`` processes
+# simulate. demo-node-a/gpu0 is the fast leak that OOMs 62-80 s in (tests pin it); the
+# others OOM later (leak, step_growth) or never (sawtooth, spiky, plateau).
+NODES: tuple[tuple[str, tuple[str, ...], int], ...] = (
+    ("demo-node-a", ("fast_leak", "sawtooth", "step_growth", "spiky"), 1),
+    ("demo-node-b", ("plateau", "leak", "sawtooth", "spiky"), 2),
+)
+GPUS_PER_NODE = 4
+SAMPLE_INTERVAL_S = 0.5
 
 
 class DemoError(RuntimeError):
@@ -179,6 +196,31 @@ def service_in_thread(settings: Settings, port: int) -> Iterator[str]:
         thread.join(10)
 
 
+def collector_argv(node: str, patterns: Sequence[str], seed: int, speed: float) -> list[str]:
+    """The ``oomcast`` command line of one of the demo's simulated nodes."""
+    return [
+        "--log-level",
+        "warning",
+        "collect",
+        "--metrics-port",
+        "0",
+        "--source",
+        "sim",
+        "--node",
+        node,
+        "--patterns",
+        ",".join(patterns),
+        "--gpus",
+        str(GPUS_PER_NODE),
+        "--seed",
+        str(seed),
+        "--speed",
+        str(speed),
+        "--interval",
+        str(SAMPLE_INTERVAL_S),
+    ]
+
+
 @contextlib.contextmanager
 def collectors(url: str, speed: float) -> Iterator[list[subprocess.Popen[bytes]]]:
     env = {
@@ -188,41 +230,14 @@ def collectors(url: str, speed: float) -> Iterator[list[subprocess.Popen[bytes]]
         "OOMCAST_PARTITIONS": str(PARTITIONS),
         "OOMCAST_LOG_LEVEL": "warning",
     }
-    nodes = [
-        ("demo-node-a", "leak,sawtooth,step_growth,spiky", 1),
-        ("demo-node-b", "plateau,leak,sawtooth,spiky", 2),
-    ]
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "oomcast.service.cli",
-                "--log-level",
-                "warning",
-                "collect",
-                "--metrics-port",
-                "0",
-                "--source",
-                "sim",
-                "--node",
-                node,
-                "--patterns",
-                patterns,
-                "--gpus",
-                "4",
-                "--seed",
-                str(seed),
-                "--speed",
-                str(speed),
-                "--interval",
-                "0.5",
-            ],
+            [sys.executable, "-m", "oomcast.service.cli", *collector_argv(*node, speed)],
             env=env,
             stdout=subprocess.DEVNULL,
             start_new_session=True,  # stopped by the demo with SIGTERM, not by the terminal
         )
-        for node, patterns, seed in nodes
+        for node in NODES
     ]
     try:
         yield procs
@@ -234,6 +249,15 @@ def collectors(url: str, speed: float) -> Iterator[list[subprocess.Popen[bytes]]
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def demo_patterns() -> dict[tuple[str, str], str]:
+    """The pattern of each simulated GPU, as ``oomcast collect --patterns`` assigns them."""
+    return {
+        (node, f"gpu{i}"): patterns[i % len(patterns)]
+        for node, patterns, _ in NODES
+        for i in range(GPUS_PER_NODE)
+    }
 
 
 def _fmt_tto(t: float | None) -> str:
@@ -281,6 +305,7 @@ def run_demo(
     speed: float = 1.0,
     private_redis: bool = False,
 ) -> int:
+    started_at = time.time()  # "t+" in the summary counts from here
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *a: stop.set())
     say = print
@@ -308,7 +333,8 @@ def run_demo(
                 say(f"forecaster: {ready['model_version']} ({note})")
                 say(f"webhooks: {inbox.url}, HMAC-signed; Ctrl-C stops the demo")
                 ooms = _watch(base, inbox, stop, duration_s, live)
-            _report(inbox, ooms)
+            for line in summarize(inbox.snapshot(), ooms, demo_patterns(), started_at):
+                print(line)
             try:
                 _delete_demo_keys(url)
             except redis.RedisError as exc:
@@ -323,8 +349,13 @@ def run_demo(
 
 def _watch(
     base: str, inbox: WebhookInbox, stop: threading.Event, duration_s: float | None, live: bool
-) -> int:
-    """Show the service's view until stopped; returns how many OOMs the service saw."""
+) -> list[Oom]:
+    """Show the service's view until stopped; returns the OOMs the service saw.
+
+    Each OOM's time is the ``ts`` of the collector's ``oom`` event, which the service keeps
+    as the domain's ``last_oom_ts`` (``GET /v1/devices``), polled every half second; a
+    simulated job takes 20 s (over ``--speed``) to restart, so at any sensible speed no OOM
+    goes by between two polls. OOMs after the last poll are known from their alerts only."""
     from rich.console import Console, Group
     from rich.live import Live
     from rich.text import Text
@@ -334,7 +365,8 @@ def _watch(
     shown = 0
     client = httpx.Client(base_url=base, timeout=2)
     ctx = Live(console=console, refresh_per_second=4) if live else contextlib.nullcontext()
-    ooms = 0
+    ooms: list[Oom] = []
+    seen: set[tuple[str, str, float]] = set()
     try:
         with ctx as view:
             last_plain = 0.0
@@ -343,7 +375,11 @@ def _watch(
                     data = client.get("/v1/devices").json()
                 except httpx.HTTPError:
                     data = {"devices": [], "alert_horizon_s": 60}
-                ooms = max(ooms, sum(d["ooms_seen"] for d in data["devices"]))
+                for d in data["devices"]:
+                    key = (d["node"], d["device"], d.get("last_oom_ts"))
+                    if key[2] is not None and key not in seen:
+                        seen.add(key)
+                        ooms.append(Oom(d["node"], d["device"], float(key[2]), d.get("job")))
                 received = inbox.snapshot()
                 if view is not None:
                     lines = [_alert_line(a, ok) for a, ok in received[-8:]]
@@ -375,16 +411,158 @@ def _watch(
     return ooms
 
 
-def _report(inbox: WebhookInbox, ooms: int) -> None:
-    received = inbox.snapshot()
-    firing = sum(1 for a, _ in received if a["status"] == "firing")
-    by_oom = sum(
-        1
-        for a, _ in received
-        if a["status"] == "resolved" and "out of memory" in str(a.get("reason"))
-    )
+@dataclass(frozen=True)
+class Oom:
+    """An OOM the service saw: the domain, the ``ts`` of its ``oom`` event, the job."""
+
+    node: str
+    device: str
+    ts: float
+    job: str | None = None
+    from_alert: bool = False  # no event seen: the time is its resolved alert's observed_at
+
+
+@dataclass
+class _Episode:
+    node: str
+    device: str
+    first: dict[str, Any]  # the earliest firing webhook of the episode
+    resolved: dict[str, Any] | None
+    oom: Oom | None = None
+
+
+def _oom_resolution(alert: dict[str, Any]) -> bool:
+    return "out of memory" in str(alert.get("reason"))
+
+
+def _hms(ts: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts))
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def summarize(
+    received: Sequence[tuple[dict[str, Any], bool]],
+    ooms: Sequence[Oom],
+    patterns: Mapping[tuple[str, str], str] | None = None,
+    started_at: float | None = None,
+    clock: Callable[[float], str] = _hms,
+) -> list[str]:
+    """The demo's closing summary, from the webhooks received (payload, signature valid) and
+    the OOMs the service saw; a pure function of them.
+
+    Webhooks with a bad signature are counted and otherwise ignored, and repeated deliveries
+    of the same body count once. An *alert* is an episode, the webhooks sharing ``node``,
+    ``device``, ``rule_name`` and ``episode``, of which at least one is ``firing``; it opens
+    at the ``observed_at`` of its first firing and closes at the ``observed_at`` of its
+    ``resolved`` webhook, if one came. An alert *warned of* an OOM on its domain if it was
+    open at the OOM (at or after it opened and, unless it resolved because the job ran out
+    of memory, no later than it closed) and its first firing's ``observed_at`` is before
+    the OOM; a ``resolved`` "ran out of memory" with no OOM seen after the alert opened is
+    taken as an OOM at that alert's ``observed_at``. A *false alarm* is an alert that no
+    OOM of its domain fell in: it resolved without an OOM, or was still open at the end on
+    a domain whose pattern (``patterns``) never OOMs. One still open on a domain that may
+    yet OOM is neither, and is counted as still open.
+
+    The first line is the totals; then, per OOM in time order, one line: warned (when the
+    first firing alert fired, its predicted ``time_to_oom_s``, the actual time from its
+    ``observed_at`` to the OOM, and the lead: from its firing to the OOM) or missed; then
+    a line per false alarm. ``t+`` times count from ``started_at``.
+    """
+    patterns = dict(patterns or {})
+
+    def at(ts: float) -> str:
+        return clock(ts) if started_at is None else f"{clock(ts)} (t+{ts - started_at:.1f}s)"
+
     bad = sum(1 for _, ok in received if not ok)
-    print(
-        f"demo over: {ooms} OOMs, {by_oom} of them warned of in advance; {firing} alerts"
-        f" fired in all; {len(received)} webhooks received, {bad} with a bad signature."
+    unique: dict[str, dict[str, Any]] = {}
+    for alert, ok in received:
+        if ok:
+            unique.setdefault(json.dumps(alert, sort_keys=True, default=str), alert)
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for alert in unique.values():
+        key = (
+            alert.get("node"),
+            alert.get("device"),
+            alert.get("rule_name"),
+            alert.get("episode") or alert.get("fired_at"),
+        )
+        groups.setdefault(key, []).append(alert)
+    episodes = []
+    for (node, device, _, _), alerts in groups.items():
+        firing = [a for a in alerts if a.get("status") == "firing"]
+        if not firing:
+            continue  # the receiver never heard this one fire
+        first = min(firing, key=lambda a: (float(a["observed_at"]), a.get("sent_at") or 0.0))
+        ends = [a for a in alerts if a.get("status") == "resolved"]
+        resolved = min(ends, key=lambda a: a.get("sent_at") or 0.0) if ends else None
+        episodes.append(_Episode(str(node), str(device), first, resolved))
+    episodes.sort(key=lambda e: (float(e.first["observed_at"]), e.node, e.device))
+
+    all_ooms = sorted(ooms, key=lambda o: (o.ts, o.node, o.device))
+    for e in episodes:
+        opened = float(e.first["observed_at"])
+        closed = None if e.resolved is None else float(e.resolved["observed_at"])
+        by_oom = e.resolved is not None and _oom_resolution(e.resolved)
+        e.oom = next(
+            (
+                o
+                for o in all_ooms
+                if (o.node, o.device) == (e.node, e.device)
+                and o.ts >= opened
+                and (closed is None or by_oom or o.ts <= closed)
+            ),
+            None,
+        )
+        if e.oom is None and by_oom:
+            assert e.resolved is not None and closed is not None
+            e.oom = Oom(e.node, e.device, closed, e.resolved.get("job"), from_alert=True)
+            all_ooms = sorted([*all_ooms, e.oom], key=lambda o: (o.ts, o.node, o.device))
+
+    def never_ooms(e: _Episode) -> bool:
+        pattern = patterns.get((e.node, e.device))
+        return pattern is not None and pattern not in OOM_PATTERNS
+
+    unmatched = [e for e in episodes if e.oom is None]
+    false_alarms = [e for e in unmatched if e.resolved is not None or never_ooms(e)]
+    still_open = len(unmatched) - len(false_alarms)
+    lines = []
+    warned = 0
+    for o in all_ooms:
+        before = [e for e in episodes if e.oom is o and float(e.first["observed_at"]) < o.ts]
+        where = f"{o.node}/{o.device}"
+        if not before:
+            lines.append(f"  missed OOM {where} job={o.job}: OOM at {at(o.ts)}, no alert before it")
+            continue
+        warned += 1
+        e = min(before, key=lambda e: float(e.first.get("fired_at") or e.first["observed_at"]))
+        fired = float(e.first.get("fired_at") or e.first.get("sent_at") or e.first["observed_at"])
+        tto = e.first.get("time_to_oom_s")
+        predicted = "none" if tto is None else f"{float(tto):.0f}s"
+        actual = o.ts - float(e.first["observed_at"])
+        source = "; OOM time from the resolved alert" if o.from_alert else ""
+        lines.append(
+            f"  warned OOM {where} job={e.first.get('job')}: first firing {at(fired)},"
+            f" predicted time_to_oom_s {predicted}, actual {actual:.1f}s from its observed_at"
+            f" to the OOM at {at(o.ts)}; lead {o.ts - fired:.1f}s{source}"
+        )
+    for e in false_alarms:
+        fired = float(e.first.get("fired_at") or e.first.get("sent_at") or e.first["observed_at"])
+        if e.resolved is not None:
+            ended = float(e.resolved.get("sent_at") or e.resolved["observed_at"])
+            how = f"resolved {at(ended)} without an OOM ({e.resolved.get('reason')})"
+        else:
+            how = f"still open at the end; a {patterns[(e.node, e.device)]} job never OOMs"
+        lines.append(
+            f"  false alarm {e.node}/{e.device} job={e.first.get('job')}: fired {at(fired)}, {how}"
+        )
+    alarms = _plural(len(false_alarms), "false alarm")
+    head = (
+        f"demo over: {_plural(len(all_ooms), 'OOM')}, {warned} of them warned of in advance;"
+        f" {_plural(len(episodes), 'alert')} fired in all, {alarms}"
+        + (f", {still_open} still open" if still_open else "")
+        + f"; {_plural(len(received), 'webhook')} received, {bad} with a bad signature."
     )
+    return [head, *lines]

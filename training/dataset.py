@@ -1,5 +1,9 @@
 """From traces to training arrays: embeddings, per-horizon labels and what is known.
 
+Every sample of a trace is embedded (the embedding's fits run in trace time), and the rows
+the network ticks at (``tick_rows``: about one per second of trace time) become the
+sequence, exactly as the runtime steps a live domain.
+
 For a sample at ``ts`` of a domain that OOMs at ``T``, the label at horizon ``h`` is
 ``T - ts <= h``. For a domain that never OOMs, the label is 0 only where the trace runs at
 least ``h`` past ``ts``; near its end the future is unknown and the entry is masked out,
@@ -20,9 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from oomcast.model import embedding as embedding_module
-from oomcast.model.embedding import EMBEDDING_VERSION, EmbeddingState
+from oomcast.model.embedding import EMBEDDING_VERSION, EmbeddingState, tick_rows
 from oomcast.model.forecast import HORIZONS_S
-from oomcast.model.trace import find_traces, load_trace, nvml_view
+from oomcast.model.trace import Trace, find_traces, load_trace, nvml_view
+
+TICK_S = 1.0
 
 H = np.asarray(HORIZONS_S, dtype=np.float64)
 
@@ -37,12 +43,23 @@ class Sequence:
     m: np.ndarray  # (time, horizons) float32: 1 where the label is known
     tto: np.ndarray  # (time,) float64: seconds to the OOM, inf when none follows
     ooms: bool
+    group: str = ""  # the source it came from (training weighs and scores by it)
 
 
 def sequences_of(path: Path, view: str = "full") -> list[Sequence]:
     """The sequences of one trace. ``view="nvml"``: only its GPU domains, as NVML sees them
-    (the model must forecast nodes that run the agent without the in-process hook too)."""
+    (the model must forecast nodes that run the agent without the in-process hook too);
+    ``view="1hz"``: the trace downsampled to one sample a second first (a 10 Hz recording
+    seen as a 1 Hz source would see it)."""
     trace = load_trace(path)
+    if view == "1hz":
+        from oomcast.model.trace import downsample_trace
+
+        trace = downsample_trace(trace, 1.0)
+    return sequences_of_trace(trace, path.name, view)
+
+
+def sequences_of_trace(trace: Trace, name: str, view: str = "full") -> list[Sequence]:
     out = []
     for domain, all_samples in trace.samples.items():
         if view == "nvml":
@@ -57,8 +74,10 @@ def sequences_of(path: Path, view: str = "full") -> list[Sequence]:
         if not samples:
             continue
         state = EmbeddingState()
-        x = np.asarray([state.embed(s) for s in samples], dtype=np.float32)
-        ts = np.asarray([s.ts for s in samples], dtype=np.float64)
+        emb = [state.embed(s) for s in samples]
+        rows = tick_rows([s.ts for s in samples], TICK_S)
+        x = np.asarray([emb[i] for i in rows], dtype=np.float32)
+        ts = np.asarray([samples[i].ts for i in rows], dtype=np.float64)
         if oom_ts is not None:
             tto = oom_ts - ts
             y = (tto[:, None] <= H[None, :]).astype(np.float32)
@@ -71,7 +90,7 @@ def sequences_of(path: Path, view: str = "full") -> list[Sequence]:
             else:  # the trace just stops: the last h seconds cannot say
                 m = ((ts[-1] - ts)[:, None] >= H[None, :]).astype(np.float32)
         suffix = "" if view == "full" else f"~{view}"
-        out.append(Sequence(f"{path.name}:{domain[1]}{suffix}", x, y, m, tto, oom_ts is not None))
+        out.append(Sequence(f"{name}:{domain[1]}{suffix}", x, y, m, tto, oom_ts is not None))
     return out
 
 

@@ -6,19 +6,93 @@ before its OOM count; the lead is the OOM's ts minus the alert's ts, in trace ti
 is the share of OOM traces alerted at least ``min_lead_s`` ahead. ``median_lead_s`` is the
 median lead over OOM traces that were alerted before the OOM at all (null if none were). A
 false alarm is an OOM-free trace with any alert, on any domain.
+
+Beside those, each detector's time-to-OOM forecast is checked on the OOM domain at the last
+sample at or before 60, 30 and 10 s ahead of the OOM (``tto_rel_err_<N>s``: the relative
+error ``|predicted - true| / true`` over OOM traces where a forecast was made that early and
+was not null; ``missing`` counts those where it was null). The same single pass over a
+domain's samples gives both the first alert and these forecasts.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from oomcast.model.forecast import Detector, release_state
 from oomcast.model.schema import Sample
-from oomcast.model.trace import Trace, as_nvml_sees_it, find_traces, load_trace
+from oomcast.model.trace import (
+    Trace,
+    as_nvml_sees_it,
+    downsample_trace,
+    find_traces,
+    load_trace,
+)
+
+# Seconds before the OOM at which the time-to-OOM forecast is checked, latest last.
+TTO_AT_S: tuple[int, ...] = (60, 30, 10)
+UNKNOWN_CAUSE = "unknown"
+MANIFEST = "manifest.json"
+# manifest keys that name what drove a trace: recorded runs (cause), simulated traces
+# (family), the first host corpus (scenario)
+CAUSE_KEYS = ("cause", "family", "scenario")
+MANIFEST_LEVELS = 3  # look for a manifest in the trace's folder and the two above it
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between the order statistics (numpy's default)."""
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass
+class TraceResult:
+    """What one detector did on one trace: a line of ``--per-trace``."""
+
+    trace: str  # file name
+    detector: str
+    oom: bool
+    oom_ts: float | None  # the scored OOM domain's OOM
+    first_alert_ts: float | None  # OOM trace: on that domain before its OOM; else any domain
+    false_alarm: bool
+    # seconds ahead -> (predicted time to OOM or None, true time to OOM), on the OOM domain
+    tto_at: dict[int, tuple[float | None, float]] = field(default_factory=dict)
+    cause: str | None = None
+
+    @property
+    def lead_s(self) -> float | None:
+        if self.oom_ts is None or self.first_alert_ts is None:
+            return None
+        return self.oom_ts - self.first_alert_ts
+
+    def to_dict(self) -> dict[str, Any]:
+        lead = self.lead_s
+        return {
+            "trace": self.trace,
+            "detector": self.detector,
+            "oom": self.oom,
+            "oom_ts": self.oom_ts,
+            "first_alert_ts": self.first_alert_ts,
+            "lead_s": None if lead is None else round(lead, 3),
+            "false_alarm": self.false_alarm,
+            "tto_at": {
+                str(h): {
+                    "predicted": None if pred is None else round(pred, 3),
+                    "true": round(true, 3),
+                }
+                for h, (pred, true) in self.tto_at.items()
+            },
+            "cause": self.cause,
+        }
 
 
 @dataclass
@@ -28,55 +102,165 @@ class Score:
     false_alarms: int = 0
     oom_traces: int = 0
     ok_traces: int = 0
+    # seconds ahead -> relative errors of the non-null forecasts / count of null ones
+    tto_rel_err: dict[int, list[float]] = field(default_factory=dict)
+    tto_missing: dict[int, int] = field(default_factory=dict)
+
+    def add(self, result: TraceResult) -> None:
+        if not result.oom:
+            self.ok_traces += 1
+            self.false_alarms += result.false_alarm
+            return
+        self.oom_traces += 1
+        lead = result.lead_s
+        if lead is None:
+            self.missed += 1
+        else:
+            self.leads_s.append(lead)
+        for h, (pred, true) in result.tto_at.items():
+            if pred is None:
+                self.tto_missing[h] = self.tto_missing.get(h, 0) + 1
+            else:
+                self.tto_rel_err.setdefault(h, []).append(abs(pred - true) / true)
+
+    def tto_summary(self, ahead_s: int) -> dict[str, Any]:
+        errs = self.tto_rel_err.get(ahead_s, [])
+        return {
+            "median": round(statistics.median(errs), 4) if errs else None,
+            "p90": round(quantile(errs, 0.9), 4) if errs else None,
+            "n": len(errs),
+            "missing": self.tto_missing.get(ahead_s, 0),
+        }
 
     def summary(self, min_lead_s: float) -> dict[str, Any]:
         caught = sum(1 for lead in self.leads_s if lead >= min_lead_s)
-        return {
+        out: dict[str, Any] = {
             "recall": round(caught / self.oom_traces, 4) if self.oom_traces else None,
             "median_lead_s": round(statistics.median(self.leads_s), 2) if self.leads_s else None,
             "false_alarms": self.false_alarms,
             "oom_traces": self.oom_traces,
             "ok_traces": self.ok_traces,
         }
+        for h in TTO_AT_S:
+            out[f"tto_rel_err_{h}s"] = self.tto_summary(h)
+        return out
+
+
+def scan_domain(
+    detector: Detector,
+    samples: list[Sample],
+    until_ts: float | None,
+    tto_at_s: Sequence[int] = (),
+) -> tuple[float | None, dict[int, tuple[float, float | None]]]:
+    """One pass of the detector over a domain's samples (those before ``until_ts``, when
+    given). Returns the ts of the first sample at which it fires, and, for each ``h`` of
+    ``tto_at_s`` (needs ``until_ts``), the ts of the last sample at or before
+    ``until_ts - h`` with the time to OOM forecast there. Stops stepping as soon as both are
+    known."""
+    fc = detector.forecaster
+    rule = detector.rule
+    cuts = [(h, until_ts - h) for h in tto_at_s] if until_ts is not None else []
+    last_cut = max((c for _, c in cuts), default=None)
+    at: dict[int, tuple[float, float | None]] = {}
+    alert: float | None = None
+    state = fc.init_state()
+    run = 0  # consecutive samples at or above the rule's risk
+    try:
+        for sample in samples:
+            ts = sample.ts
+            if until_ts is not None and ts >= until_ts:
+                break
+            if alert is not None and (last_cut is None or ts > last_cut):
+                break
+            forecast = fc.step([state], [sample])[0]
+            if alert is None:
+                run = run + 1 if rule.fires(forecast) else 0
+                if run >= rule.fire_after:
+                    alert = ts
+            for h, cut in cuts:
+                if ts <= cut:
+                    at[h] = (ts, forecast.time_to_oom_s)
+        return alert, at
+    finally:
+        release_state(fc, state)
 
 
 def first_alert_ts(
     detector: Detector, samples: list[Sample], until_ts: float | None
 ) -> float | None:
     """ts of the first sample (before ``until_ts``, when given) at which the detector fires."""
-    fc = detector.forecaster
-    state = fc.init_state()
-    run = 0  # consecutive samples at or above the rule's risk
-    try:
-        for sample in samples:
-            if until_ts is not None and sample.ts >= until_ts:
-                return None
-            run = run + 1 if detector.rule.fires(fc.step([state], [sample])[0]) else 0
-            if run >= detector.rule.fire_after:
-                return sample.ts
+    return scan_domain(detector, samples, until_ts)[0]
+
+
+def score_trace(detector: Detector, trace: Trace, cause: str | None = None) -> TraceResult:
+    """Run the detector over the trace once and say what it did."""
+    name = Path(trace.path).name
+    if not trace.ooms:
+        alerts = [first_alert_ts(detector, ss, None) for ss in trace.samples.values()]
+        first = min((a for a in alerts if a is not None), default=None)
+        return TraceResult(name, detector.name, False, None, first, first is not None, {}, cause)
+    # Several domains may OOM: score the one alerted with the longest lead (the trace counts
+    # as caught if any was), or, when none was, the one that OOMed first.
+    chosen: TraceResult | None = None
+    for domain, samples in trace.samples.items():
+        oom_ts = trace.oom_ts(domain)
+        if oom_ts is None:
+            continue
+        alert, at = scan_domain(detector, samples, oom_ts, TTO_AT_S)
+        tto = {h: (at[h][1], oom_ts - at[h][0]) for h in TTO_AT_S if h in at}
+        result = TraceResult(name, detector.name, True, oom_ts, alert, False, tto, cause)
+        if chosen is None or _scores_better(result, chosen):
+            chosen = result
+    if chosen is not None:
+        return chosen
+    # an OOM event on a domain with no samples: nothing to alert on
+    oom_ts = min(e.ts for e in trace.events if e.event == "oom")
+    return TraceResult(name, detector.name, True, oom_ts, None, False, {}, cause)
+
+
+def _scores_better(a: TraceResult, b: TraceResult) -> bool:
+    lead_a, lead_b = a.lead_s, b.lead_s
+    if lead_a is not None or lead_b is not None:
+        return lead_a is not None and (lead_b is None or lead_a > lead_b)
+    return a.oom_ts is not None and b.oom_ts is not None and a.oom_ts < b.oom_ts
+
+
+class Causes:
+    """What drove each trace, read from the ``manifest.json`` of its folder or a folder above
+    it (entries under ``runs`` or ``traces`` with a ``file`` relative to the manifest and a
+    ``cause``, ``family`` or ``scenario``). None for a trace no manifest names."""
+
+    def __init__(self) -> None:
+        self._manifests: dict[Path, dict[Path, str]] = {}
+
+    def _read(self, folder: Path) -> dict[Path, str]:
+        if folder not in self._manifests:
+            causes: dict[Path, str] = {}
+            try:
+                manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                manifest = None
+            if isinstance(manifest, dict):
+                for key in ("runs", "traces"):
+                    entries = manifest.get(key)
+                    for entry in entries if isinstance(entries, list) else []:
+                        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
+                            continue
+                        cause = next(
+                            (entry[k] for k in CAUSE_KEYS if isinstance(entry.get(k), str)), None
+                        )
+                        if cause:
+                            causes[(folder / entry["file"]).resolve()] = cause
+            self._manifests[folder] = causes
+        return self._manifests[folder]
+
+    def of(self, path: Path | str) -> str | None:
+        path = Path(path).resolve()
+        for folder in [path.parent, *path.parent.parents][:MANIFEST_LEVELS]:
+            cause = self._read(folder).get(path)
+            if cause is not None:
+                return cause
         return None
-    finally:
-        release_state(fc, state)
-
-
-def score_trace(detector: Detector, trace: Trace, score: Score) -> None:
-    oom_domains = [(d, ts) for d in trace.samples if (ts := trace.oom_ts(d)) is not None]
-    if trace.ooms:
-        score.oom_traces += 1
-        best: float | None = None
-        for domain, oom_ts in oom_domains:
-            alert = first_alert_ts(detector, trace.samples[domain], oom_ts)
-            if alert is not None:
-                lead = oom_ts - alert
-                best = lead if best is None else max(best, lead)
-        if best is None:
-            score.missed += 1
-        else:
-            score.leads_s.append(best)
-        return
-    score.ok_traces += 1
-    if any(first_alert_ts(detector, ss, None) is not None for ss in trace.samples.values()):
-        score.false_alarms += 1
 
 
 def evaluate(
@@ -84,40 +268,76 @@ def evaluate(
     traces: Iterable[Path],
     min_lead_s: float = 10.0,
     view: str = "full",
+    *,
+    resample_s: float | None = None,
+    per_trace: Path | str | TextIO | None = None,
+    by_cause: bool = False,
 ) -> dict[str, Any]:
     """Score every detector on every trace. ``view="nvml"`` first reduces GPU samples to what
-    NVML alone reports (no allocator figures): a node running the agent without the hook."""
+    NVML alone reports (no allocator figures): a node running the agent without the hook.
+    ``resample_s`` first downsamples every trace to one sample per that many seconds.
+    ``per_trace`` (a file name or an open text file) gets one JSON line per trace and
+    detector; ``by_cause`` adds ``by_cause: {cause: {detector: summary}}``."""
     if view not in ("full", "nvml"):
         raise ValueError(f"view={view!r}: choose full or nvml")
+    if resample_s is not None and (not resample_s > 0 or resample_s == float("inf")):
+        raise ValueError(f"resample_s={resample_s} must be a positive number of seconds")
     dets = list(detectors)
     scores = {d.name: Score() for d in dets}
-    for path in traces:
-        trace = load_trace(path)  # a corrupt line raises TraceError naming file and line
-        if view == "nvml":
-            trace = as_nvml_sees_it(trace)
-        for det in dets:
-            score_trace(det, trace, scores[det.name])
+    cause_scores: dict[str, dict[str, Score]] = {}
+    causes = Causes() if per_trace is not None or by_cause else None
+    with ExitStack() as stack:
+        lines: TextIO | None
+        if isinstance(per_trace, str | Path):
+            Path(per_trace).parent.mkdir(parents=True, exist_ok=True)
+            lines = stack.enter_context(open(per_trace, "w", encoding="utf-8"))
+        else:
+            lines = per_trace
+        for path in traces:
+            trace = load_trace(path)  # a corrupt line raises TraceError naming file and line
+            if resample_s is not None:
+                trace = downsample_trace(trace, resample_s)
+            if view == "nvml":
+                trace = as_nvml_sees_it(trace)
+            cause = causes.of(path) if causes is not None else None
+            for det in dets:
+                result = score_trace(det, trace, cause)
+                scores[det.name].add(result)
+                if by_cause:
+                    group = cause_scores.setdefault(cause or UNKNOWN_CAUSE, {})
+                    group.setdefault(det.name, Score()).add(result)
+                if lines is not None:
+                    lines.write(json.dumps(result.to_dict(), separators=(",", ":")) + "\n")
     out: dict[str, Any] = {
         "detectors": {name: s.summary(min_lead_s) for name, s in scores.items()},
         "min_lead_s": min_lead_s,
     }
     if view != "full":
         out["view"] = view
+    if resample_s is not None:
+        out["resample_s"] = resample_s
+    if by_cause:
+        out["by_cause"] = {
+            c: {name: s.summary(min_lead_s) for name, s in cause_scores[c].items()}
+            for c in sorted(cause_scores)
+        }
     return out
 
 
 def evaluate_folder(
-    folder: Path | str, detectors: Iterable[Detector], min_lead_s: float = 10.0
+    folder: Path | str, detectors: Iterable[Detector], min_lead_s: float = 10.0, **options: Any
 ) -> dict[str, Any]:
     traces = find_traces(folder)
     if not traces:
         raise FileNotFoundError(f"no traces (*.jsonl, *.jsonl.gz) in {folder}")
-    return evaluate(detectors, traces, min_lead_s)
+    return evaluate(detectors, traces, min_lead_s, **options)
 
 
-def format_table(result: dict[str, Any]) -> str:
-    rows = [("detector", "recall", "median lead s", "false alarms", "OOM traces", "ok traces")]
-    for name, s in result["detectors"].items():
+def _table(detectors: dict[str, Any]) -> list[str]:
+    rows = [
+        ("detector", "recall", "median lead s", "false alarms", "OOM traces", "ok traces"),
+    ]
+    for name, s in detectors.items():
         rows.append(
             (
                 name,
@@ -131,5 +351,12 @@ def format_table(result: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = _table(result["detectors"])
+    for cause, dets in result.get("by_cause", {}).items():
+        lines += ["", f"cause: {cause}", *_table(dets)]
     lines.append(f"recall = share of OOM traces alerted at least {result['min_lead_s']:g}s ahead")
     return "\n".join(lines)

@@ -1,13 +1,13 @@
 """Export a trained checkpoint to ONNX (``oomcast export``).
 
-The graph runs the network over a stretch of samples: ``x`` (batch, time, features), ``h``
-and ``c`` (layers, batch, hidden) in; ``risk`` (batch, time, horizons), ``h_out`` and
-``c_out`` out. Batch and time are dynamic: the service streams with time = 1, carrying each
-domain's ``h`` and ``c`` between calls and stepping any number of domains in one call, and
-answers ``POST /v1/predict`` with one call over the whole window from a zero state.
-Everything the runtime needs to use the file correctly travels in the ONNX metadata:
-horizons, feature-schema version and names, the alert rule chosen on validation, and the
-validation figures.
+The graph runs the network over a stretch of ticks: ``x`` (batch, time, features), ``h``
+and ``c`` (layers, batch, hidden) in; ``risk`` (batch, time, horizons, calibrated),
+``tto_s`` (batch, time: seconds to the OOM, if one follows), ``h_out`` and ``c_out`` out.
+Batch and time are dynamic: the service streams with time = 1, carrying each domain's ``h``
+and ``c`` between calls and stepping any number of domains in one call. Everything the
+runtime needs to use the file correctly travels in the ONNX metadata: horizons, tick,
+feature-schema version and names, the alert rule chosen on validation, and the validation
+figures.
 """
 
 from __future__ import annotations
@@ -46,12 +46,13 @@ def export(
             (x, h, h.clone()),
             str(out),
             input_names=["x", "h", "c"],
-            output_names=["risk", "h_out", "c_out"],
+            output_names=["risk", "tto_s", "h_out", "c_out"],
             dynamic_axes={
                 "x": {0: "batch", 1: "time"},
                 "h": {1: "batch"},
                 "c": {1: "batch"},
                 "risk": {0: "batch", 1: "time"},
+                "tto_s": {0: "batch", 1: "time"},
                 "h_out": {1: "batch"},
                 "c_out": {1: "batch"},
             },
@@ -67,6 +68,8 @@ def export(
         "oomcast.layers": str(cfg.layers),
         "oomcast.hidden": str(cfg.hidden),
         "oomcast.rule": json.dumps(ckpt["rule"]),
+        "oomcast.tick_s": str(cfg.tick_s),
+        "oomcast.tto_min_risk": str(min(0.5, float(ckpt["rule"]["threshold"]))),
         "oomcast.trained": json.dumps(
             {
                 "epoch": ckpt["epoch"],

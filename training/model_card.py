@@ -1,242 +1,703 @@
-"""The shipped model's card (``oomcast card``): figures and tables measured on held-out traces.
+"""The model's card (``oomcast card``): the model and every baseline measured on held-out data.
 
-Everything here is computed from the ONNX file itself (served exactly as the service serves
-it) on traces the model never trained on: the simulated test split, and the recorded host
-traces, all of them and the held-out half (odd seeds) apart. Risks come from the stateless
-window path, which the parity tests hold equal to streaming within 1e-4.
+Four sets, each scored by :func:`oomcast.training.evaluate.evaluate` exactly as ``oomcast
+evaluate`` scores them (the model and the baselines ``oomcast evaluate`` runs, one pass per
+set with the per-trace lines kept, so each detector steps each trace once):
+
+* ``corpus_test_10hz``: the recorded corpus's test programs (never trained on in any form)
+  at their native 10 Hz;
+* ``corpus_test_1hz``: the same traces downsampled to 1 Hz (a slower collector);
+* ``sim_test_full``: the simulated test split as the in-process hook sees it;
+* ``sim_test_nvml``: the same as NVML alone sees it (no allocator figures).
+
+Each set reports, per detector, the evaluate summary at 30 s and at 10 s of lead, recall on
+the OOMs with a signal in the stream (``growth``: the corpus's growth causes, the simulated
+leak, seq_growth and fragmentation families) apart from the rest (``sudden``), a per-cause
+table and, for the corpus, a per-program table of false alarms. ``quietest_baseline_at_model_fa``
+says, per set, which baselines alert on no more OOM-free runs than the model, and how many
+growth OOMs they warn 30 s ahead: whether the model beats every baseline at its own
+false-alarm count.
+
+Three figures (PNG, dpi 100) come from one more pass of the model alone over the corpus test
+(10 Hz) and the simulated test (full view): the network is stepped through ``step`` over
+batches of domains at its ticks (about 1 Hz; what lies between two ticks leaves the LSTM
+state as it was), with the embeddings and labels of :func:`training.dataset.sequences_of_trace`,
+the rule the model was trained by: OOM within ``h`` for a domain that OOMs; 0 for one that
+does not, known only where the trace runs ``h`` seconds on or ends with an ``exit`` event.
+
+    oomcast card --model M --sim-test data/sim2k/test --corpus training/traces/corpus \\
+        --figures docs/figures --out runs/card.json
 """
 
 from __future__ import annotations
 
 import json
-import statistics
-from collections import defaultdict
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from oomcast.model.baselines import baseline_detectors
+from oomcast.model.forecast import HORIZONS_S, Detector, release_state
 from oomcast.model.runtime import OnnxForecaster
-from oomcast.model.trace import find_traces, load_trace
-from oomcast.training.train import first_run
+from oomcast.model.schema import Sample
+from oomcast.model.trace import Trace, find_traces, load_trace
+from oomcast.training.evaluate import TTO_AT_S, UNKNOWN_CAUSE, Causes, evaluate
+from oomcast.training.programs import GROWTH_CAUSES
+
+MODEL = "model"
+MIN_LEADS_S = (30, 10)
+# simulated families whose OOM shows in the stream before it happens
+SIM_GROWTH_FAMILIES = ("leak", "seq_growth", "fragmentation")
+# name -> (source, view, resample_s)
+SETS: dict[str, tuple[str, str, float | None]] = {
+    "corpus_test_10hz": ("corpus", "full", None),
+    "corpus_test_1hz": ("corpus", "full", 1.0),
+    "sim_test_full": ("sim", "full", None),
+    "sim_test_nvml": ("sim", "nvml", None),
+}
+FIGURE_SETS = ("corpus_test_10hz", "sim_test_full")  # the sets the figures show
+RELIABILITY_BINS = 10
+DPI = 100
+BATCH_DOMAINS = 256  # domains stepped together in the figures' pass
+FIGURES = {
+    "reliability": "model-reliability.png",
+    "tto_error": "model-tto-error.png",
+    "risk_examples": "model-risk-examples.png",
+}
 
 
-@dataclass
-class TraceRisk:
-    name: str
-    family: str
-    ooms: bool
-    # per domain: sample ts, risk (time, H), OOM ts or None
-    domains: list[tuple[np.ndarray, np.ndarray, float | None]]
+# --- scoring ------------------------------------------------------------------------------
+def lead_of(row: dict[str, Any]) -> float | None:
+    """A per-trace line's lead, from its unrounded timestamps (None: no alert before the OOM)."""
+    if row["oom_ts"] is None or row["first_alert_ts"] is None:
+        return None
+    return float(row["oom_ts"] - row["first_alert_ts"])
 
 
-def trace_risks(fc: OnnxForecaster, paths: list[Path], families: dict[str, str]) -> list[TraceRisk]:
-    out = []
-    for path in paths:
-        trace = load_trace(path)
-        domains = []
-        for domain, samples in trace.samples.items():
-            oom = trace.oom_ts(domain)
-            kept = [s for s in samples if oom is None or s.ts < oom]
-            if not kept:
-                continue
-            risk = np.asarray(
-                [[f.risk[h] for h in fc.horizons_s] for f in fc.window(kept)], dtype=np.float64
-            )
-            domains.append((np.asarray([s.ts for s in kept]), risk, oom))
-        out.append(TraceRisk(path.name, families.get(path.name, "-"), trace.ooms, domains))
+def warned(row: dict[str, Any], min_lead_s: float) -> bool:
+    lead = lead_of(row)
+    return bool(row["oom"]) and lead is not None and lead >= min_lead_s
+
+
+def _share(k: int, n: int) -> float | None:
+    return round(k / n, 4) if n else None
+
+
+def group_recall(rows: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """OOM traces among ``rows`` and the share warned 30 s and 10 s ahead."""
+    ooms = [r for r in rows if r["oom"]]
+    out: dict[str, Any] = {"oom_traces": len(ooms)}
+    for s in MIN_LEADS_S:
+        out[f"warned_{s}s"] = sum(warned(r, s) for r in ooms)
+    for s in MIN_LEADS_S:
+        out[f"recall_{s}s"] = _share(out[f"warned_{s}s"], len(ooms))
     return out
 
 
-def lead_of(tr: TraceRisk, k: int, threshold: float, fire_after: int = 1) -> float | None:
-    """The model's lead on an OOM trace (None: no alert before the OOM), as evaluate counts it:
-    the alert is the sample completing ``fire_after`` consecutive samples at the threshold."""
-    best = None
-    for ts, risk, oom in tr.domains:
-        if oom is None:
-            continue
-        at = first_run(risk[:, k] >= threshold, fire_after)
-        if at is not None:
-            lead = oom - ts[at]
-            best = lead if best is None else max(best, lead)
-    return best
-
-
-def alarmed(tr: TraceRisk, k: int, threshold: float, fire_after: int = 1) -> bool:
-    return any(
-        first_run(risk[:, k] >= threshold, fire_after) is not None for _, risk, _ in tr.domains
-    )
-
-
-def family_table(
-    trs: list[TraceRisk], k: int, threshold: float, fire_after: int = 1
-) -> list[dict[str, Any]]:
-    rows: dict[str, dict[str, Any]] = defaultdict(
-        lambda: {"oom": 0, "lead10": 0, "lead30": 0, "ok": 0, "false_alarms": 0}
-    )
-    for tr in trs:
-        row = rows[tr.family]
-        if tr.ooms:
-            lead = lead_of(tr, k, threshold, fire_after)
-            row["oom"] += 1
-            row["lead10"] += int(lead is not None and lead >= 10)
-            row["lead30"] += int(lead is not None and lead >= 30)
+def cause_table(rows: Iterable[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    table: dict[str, dict[str, int]] = {}
+    for r in rows:
+        cause = r["cause"] or UNKNOWN_CAUSE
+        t = table.setdefault(
+            cause,
+            {
+                "oom_traces": 0,
+                **{f"warned_{s}s": 0 for s in MIN_LEADS_S},
+                "ok_traces": 0,
+                "false_alarms": 0,
+            },
+        )
+        if r["oom"]:
+            t["oom_traces"] += 1
+            for s in MIN_LEADS_S:
+                t[f"warned_{s}s"] += warned(r, s)
         else:
-            row["ok"] += 1
-            row["false_alarms"] += int(alarmed(tr, k, threshold, fire_after))
-    return [{"family": f, **rows[f]} for f in sorted(rows)]
+            t["ok_traces"] += 1
+            t["false_alarms"] += bool(r["false_alarm"])
+    return {c: table[c] for c in sorted(table)}
 
 
-def calibration(
-    trs: list[TraceRisk], horizons: tuple[int, ...], bins: int = 10
-) -> dict[int, list[tuple[float, float, int]]]:
-    """Per horizon: (mean predicted risk, observed share with an OOM within it, count) per
-    risk bin, over every sample whose outcome is known."""
+def program_table(rows: Iterable[dict[str, Any]], programs: dict[str, str]) -> dict[str, Any]:
+    """Per program: its runs that never OOMed, and how many of them the detector alerted on."""
+    table: dict[str, dict[str, int]] = {}
+    for r in rows:
+        t = table.setdefault(
+            programs.get(r["trace"], UNKNOWN_CAUSE), {"ok_traces": 0, "false_alarms": 0}
+        )
+        if not r["oom"]:
+            t["ok_traces"] += 1
+            t["false_alarms"] += bool(r["false_alarm"])
+    return {p: table[p] for p in sorted(table)}
+
+
+def score_set(
+    detectors: Sequence[Detector],
+    paths: list[Path],
+    growth: Sequence[str],
+    *,
+    view: str = "full",
+    resample_s: float | None = None,
+    programs: dict[str, str] | None = None,
+) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """One evaluate pass over ``paths`` (at 30 s; the 10 s figures come from its per-trace
+    lines): the set's section of the card, and the per-trace lines by detector."""
+    with tempfile.TemporaryDirectory(prefix="oomcast-card-") as tmp:
+        per_trace = Path(tmp) / "per-trace.jsonl"
+        summary = evaluate(
+            detectors, paths, MIN_LEADS_S[0], view, resample_s=resample_s, per_trace=per_trace
+        )
+        with open(per_trace, encoding="utf-8") as lines:
+            rows = [json.loads(line) for line in lines if line.strip()]
+    by_det: dict[str, list[dict[str, Any]]] = {d.name: [] for d in detectors}
+    for row in rows:
+        by_det[row["detector"]].append(row)
+    out: dict[str, Any] = {
+        "traces": len(paths),
+        "view": view,
+        "resample_s": resample_s,
+        "growth_causes": list(growth),
+        "detectors": {},
+    }
+    for det in detectors:
+        det_rows = by_det[det.name]
+        at: dict[str, Any] = {}
+        for s in MIN_LEADS_S:
+            part = dict(summary["detectors"][det.name])
+            ooms = [r for r in det_rows if r["oom"]]
+            part["recall"] = _share(sum(warned(r, s) for r in ooms), len(ooms))
+            at[f"at_{s}s"] = part
+        entry: dict[str, Any] = {
+            **at,
+            "growth": group_recall(r for r in det_rows if r["cause"] in growth),
+            "sudden": group_recall(r for r in det_rows if r["cause"] not in growth),
+            "by_cause": cause_table(det_rows),
+        }
+        if programs is not None:
+            entry["by_program"] = program_table(det_rows, programs)
+        out["detectors"][det.name] = entry
+    first = next(iter(summary["detectors"].values()), {"oom_traces": 0, "ok_traces": 0})
+    out["oom_traces"] = first["oom_traces"]
+    out["ok_traces"] = first["ok_traces"]
+    return out, by_det
+
+
+def compare_at_model_fa(section: dict[str, Any]) -> dict[str, Any]:
+    """The baselines that alert on no more OOM-free traces than the model, and their growth
+    recall 30 s ahead; ``model_beats_all``: the model's is higher than each of theirs (None
+    when the set has no growth OOMs)."""
+    dets = section["detectors"]
+    model = dets[MODEL]
+    fa = model["at_30s"]["false_alarms"]
+    ours = model["growth"]["recall_30s"]
+    quiet = {
+        name: {
+            "false_alarms": d["at_30s"]["false_alarms"],
+            "growth_recall_30s": d["growth"]["recall_30s"],
+        }
+        for name, d in dets.items()
+        if name != MODEL and d["at_30s"]["false_alarms"] <= fa
+    }
+    best = max(quiet, key=lambda n: quiet[n]["growth_recall_30s"] or 0.0, default=None)
+    others = [n for n in dets if n != MODEL]
+    quietest = min(
+        others,
+        key=lambda n: (
+            dets[n]["at_30s"]["false_alarms"],
+            -(dets[n]["growth"]["recall_30s"] or 0.0),
+        ),
+        default=None,
+    )
+    return {
+        "model": {"false_alarms": fa, "growth_recall_30s": ours},
+        "baselines": quiet,
+        "best_baseline": best,
+        # None when there is nothing to compare: no growth OOMs, or no baseline that quiet
+        "model_beats_all": None
+        if ours is None or not quiet
+        else all(ours > (q["growth_recall_30s"] or 0.0) for q in quiet.values()),
+        "quietest_baseline": None
+        if quietest is None
+        else {
+            "name": quietest,
+            "false_alarms": dets[quietest]["at_30s"]["false_alarms"],
+            "growth_recall_30s": dets[quietest]["growth"]["recall_30s"],
+        },
+    }
+
+
+# --- the model's risks at its ticks, for the figures ---------------------------------------
+@dataclass
+class DomainRisk:
+    """One domain of one trace at the network's ticks."""
+
+    trace: str
+    cause: str | None
+    oom_ts: float | None
+    ts: np.ndarray  # (ticks,)
+    used: np.ndarray  # (ticks,) used fraction
+    y: np.ndarray  # (ticks, H) OOM within the horizon
+    m: np.ndarray  # (ticks, H) 1 where that is known
+    x: np.ndarray | None  # (ticks, features) the embedding at the ticks; dropped once stepped
+    samples: list[Sample] | None  # the tick samples; dropped once stepped
+    risk: np.ndarray | None = None  # (ticks, horizons of the model)
+
+
+def trace_domains(trace: Trace, name: str, cause: str | None) -> list[DomainRisk]:
+    """The trace's domains at their ticks, labelled by ``sequences_of_trace``."""
+    from oomcast.model.embedding import tick_rows
+    from oomcast.training.dataset import TICK_S, sequences_of_trace
+
+    seqs = iter(sequences_of_trace(trace, name))
+    out = []
+    for domain, all_samples in trace.samples.items():
+        # the samples sequences_of_trace keeps: up to the OOM, or the job's normal end
+        oom_ts = trace.oom_ts(domain)
+        end = oom_ts if oom_ts is not None else trace.exit_ts(domain)
+        samples = [s for s in all_samples if end is None or s.ts <= end]
+        if not samples:
+            continue
+        seq = next(seqs)
+        ticks = [samples[i] for i in tick_rows([s.ts for s in samples], TICK_S)]
+        if len(ticks) != len(seq.x):
+            raise AssertionError(f"{name}: {len(ticks)} ticks, {len(seq.x)} sequence rows")
+        out.append(
+            DomainRisk(
+                name,
+                cause,
+                oom_ts,
+                np.asarray([s.ts for s in ticks], dtype=np.float64),
+                np.asarray([s.used_frac for s in ticks], dtype=np.float64),
+                seq.y,
+                seq.m,
+                seq.x,
+                ticks,
+            )
+        )
+    return out
+
+
+def step_domains(fc: OnnxForecaster, doms: list[DomainRisk]) -> None:
+    """Risks at every tick of every domain: all of them stepped together, one ONNX call per
+    tick index, each from its own state (as the service steps a node's domains)."""
+    order = sorted(range(len(doms)), key=lambda i: -len(doms[i].ts))
+    states = [fc.init_state() for _ in order]
+    horizons = fc.horizons_s
+    risks = [np.zeros((len(doms[i].ts), len(horizons)), dtype=np.float32) for i in order]
+    try:
+        n = len(order)
+        for k in range(len(doms[order[0]].ts) if order else 0):
+            while n and len(doms[order[n - 1]].ts) <= k:
+                n -= 1
+            active = [doms[order[j]] for j in range(n)]
+            forecasts = fc.step(
+                states[:n],
+                [d.samples[k] for d in active],  # type: ignore[index]
+                [d.x[k] for d in active],  # type: ignore[index,misc]
+            )
+            for j, f in enumerate(forecasts):
+                risks[j][k] = [f.risk[h] for h in horizons]
+    finally:
+        for st in states:
+            release_state(fc, st)
+    for j, i in enumerate(order):
+        doms[i].risk = risks[j]
+        doms[i].x = None
+        doms[i].samples = None
+
+
+def model_risks(
+    fc: OnnxForecaster, paths: list[Path], causes: Causes
+) -> dict[str, list[DomainRisk]]:
+    """trace name -> its domains with the model's risks, in batches of domains."""
+    out: dict[str, list[DomainRisk]] = {}
+    batch: list[DomainRisk] = []
+    for path in paths:
+        doms = trace_domains(load_trace(path), path.name, causes.of(path))
+        out[path.name] = doms
+        batch += doms
+        if len(batch) >= BATCH_DOMAINS:
+            step_domains(fc, batch)
+            batch = []
+    if batch:
+        step_domains(fc, batch)
+    return out
+
+
+def reliability(
+    doms: Iterable[DomainRisk], horizons: Sequence[int], bins: int = RELIABILITY_BINS
+) -> dict[str, list[dict[str, Any]]]:
+    """Per horizon, per risk bin: mean predicted risk, observed share with an OOM within the
+    horizon, and how many ticks with a known label fell in it."""
+    doms = list(doms)
+    edges = np.linspace(0.0, 1.0, bins + 1)
     out = {}
     for k, h in enumerate(horizons):
-        pred, obs = [], []
-        for tr in trs:
-            for ts, risk, oom in tr.domains:
-                if oom is None:
-                    known = ts <= ts[-1] - h  # the trace ran at least h on, OOM-free
-                    pred.append(risk[known, k])
-                    obs.append(np.zeros(int(known.sum())))
-                else:
-                    pred.append(risk[:, k])
-                    obs.append((oom - ts <= h).astype(np.float64))
-        p, o = np.concatenate(pred), np.concatenate(obs)
-        edges = np.linspace(0, 1, bins + 1)
+        col = HORIZONS_S.index(h)  # the labels' column
+        known = [d.m[:, col] > 0 for d in doms]
+        p = np.concatenate([d.risk[w, k] for d, w in zip(doms, known, strict=True)] or [[]])  # type: ignore[index]
+        o = np.concatenate([d.y[w, col] for d, w in zip(doms, known, strict=True)] or [[]])
         which = np.clip(np.digitize(p, edges) - 1, 0, bins - 1)
-        out[h] = [
-            (float(p[which == b].mean()), float(o[which == b].mean()), int((which == b).sum()))
-            for b in range(bins)
-            if (which == b).any()
-        ]
+        rows = []
+        for b in range(bins):
+            sel = which == b
+            count = int(sel.sum())
+            rows.append(
+                {
+                    "lo": round(float(edges[b]), 2),
+                    "hi": round(float(edges[b + 1]), 2),
+                    "mean_predicted": round(float(p[sel].mean()), 4) if count else None,
+                    "observed": round(float(o[sel].mean()), 4) if count else None,
+                    "count": count,
+                }
+            )
+        out[str(h)] = rows
     return out
 
 
-def plot(
-    fc: OnnxForecaster,
-    sim: list[TraceRisk],
-    host: list[TraceRisk],
-    k: int,
-    threshold: float,
-    out_dir: Path,
-    fire_after: int = 1,
-) -> list[Path]:
+# --- figures -------------------------------------------------------------------------------
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    horizon = fc.horizons_s[k]
+    return plt
 
-    # 1. lead-time distribution on OOM traces
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    for label, trs in (("simulated test split", sim), ("recorded host traces", host)):
-        leads = [lead_of(t, k, threshold, fire_after) for t in trs if t.ooms]
-        caught = [v for v in leads if v is not None]
-        ax.hist(
-            np.clip(caught, 0, 600),
-            bins=np.arange(0, 620, 20),
-            alpha=0.6,
-            label=f"{label}: {len(caught)}/{len(leads)} alerted before the OOM",
+
+TITLES = {"corpus_test_10hz": "corpus test programs, 10 Hz", "sim_test_full": "simulated test"}
+
+
+def plot_reliability(rel: dict[str, dict[str, list[dict[str, Any]]]], path: Path) -> None:
+    plt = _pyplot()
+    fig, axes = plt.subplots(
+        2,
+        len(rel),
+        figsize=(4.6 * len(rel), 6.4),
+        squeeze=False,
+        gridspec_kw={"height_ratios": [3, 1.3]},
+    )
+    for j, (name, per_h) in enumerate(rel.items()):
+        top, bottom = axes[0][j], axes[1][j]
+        top.plot([0, 1], [0, 1], color="grey", ls=":", lw=1)
+        width = 0.1 / (len(per_h) + 1)
+        for i, (h, rows) in enumerate(per_h.items()):
+            full = [r for r in rows if r["count"]]
+            (line,) = top.plot(
+                [r["mean_predicted"] for r in full],
+                [r["observed"] for r in full],
+                marker="o",
+                ms=3,
+                lw=1,
+                label=f"within {h}s",
+            )
+            bottom.bar(
+                [r["lo"] + width * (i + 0.5) for r in full],
+                [r["count"] for r in full],
+                width=width,
+                color=line.get_color(),
+                align="edge",
+            )
+        n = sum(r["count"] for r in next(iter(per_h.values()), []))
+        top.set_title(f"{TITLES.get(name, name)} ({n} ticks)", fontsize=9)
+        top.set_xlim(0, 1)
+        top.set_ylim(-0.02, 1.02)
+        top.set_ylabel("observed share with an OOM within h")
+        top.legend(fontsize=7, loc="upper left")
+        bottom.set_yscale("log")
+        bottom.set_xlim(0, 1)
+        bottom.set_xlabel("predicted risk (10 bins)")
+        bottom.set_ylabel("ticks per bin")
+        for ax in (top, bottom):
+            ax.tick_params(labelsize=7)
+    fig.suptitle("Reliability of the model's risk, by horizon", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def plot_tto(rows_by_set: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    plt = _pyplot()
+    fig, axes = plt.subplots(
+        1, len(rows_by_set), figsize=(4.6 * len(rows_by_set), 4.4), squeeze=False
+    )
+    for ax, (name, rows) in zip(axes[0], rows_by_set.items(), strict=True):
+        lo, hi = 1.0, 100.0
+        for h in TTO_AT_S:
+            pts = [r["tto_at"][str(h)] for r in rows if r["oom"] and str(h) in r["tto_at"]]
+            made = [(p["true"], p["predicted"]) for p in pts if p["predicted"] is not None]
+            if made:
+                true, pred = (np.asarray(v, dtype=np.float64) for v in zip(*made, strict=True))
+                pred = np.maximum(pred, 0.5)  # a forecast of 0 s, drawn on the log axis
+                errs = np.abs(pred - true) / true
+                ax.scatter(
+                    true,
+                    pred,
+                    s=10,
+                    alpha=0.6,
+                    label=f"{h}s ahead: n={len(made)}, median err {np.median(errs):.0%},"
+                    f" null {len(pts) - len(made)}",
+                )
+                lo = min(lo, float(true.min()), float(pred.min()))
+                hi = max(hi, float(true.max()), float(pred.max()))
+            else:
+                ax.scatter([], [], s=10, label=f"{h}s ahead: no forecast ({len(pts)} null)")
+        grid = np.geomspace(lo / 1.5, hi * 1.5, 50)
+        ax.plot(grid, grid, color="k", lw=1)
+        ax.fill_between(
+            grid, 0.75 * grid, 1.25 * grid, color="grey", alpha=0.25, label="within 25%"
         )
-    for x in (10, 30):
-        ax.axvline(x, color="k", ls=":", lw=1)
-    ax.set_xlabel("lead: seconds from the first alert to the OOM (clipped at 600)")
-    ax.set_ylabel("OOM traces")
-    ax.set_title(f"Lead time (alert: risk within {horizon}s >= {threshold:g})")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    written.append(out_dir / "model-lead-times.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
-
-    # 2. risk over time on example traces, the OOM marked
-    examples = _examples(sim, host)
-    fig, axes = plt.subplots(len(examples), 1, figsize=(8, 1.9 * len(examples)), sharex=False)
-    for ax, tr in zip(np.atleast_1d(axes), examples, strict=True):
-        ts, risk, oom = max(tr.domains, key=lambda d: d[2] is not None)
-        t = ts - ts[0]
-        for j, h in enumerate(fc.horizons_s):
-            if h in (15, 60, 300) or j == k:
-                ax.plot(t, risk[:, j], lw=1.4 if j == k else 0.8, label=f"risk within {h}s")
-        ax.axhline(threshold, color="grey", ls="--", lw=0.8)
-        if oom is not None:
-            ax.axvline(oom - ts[0], color="red", lw=1.5, label="OOM")
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_title(f"{tr.name} ({tr.family}{', OOM' if tr.ooms else ', no OOM'})", fontsize=9)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlim(grid[0], grid[-1])
+        ax.set_ylim(grid[0], grid[-1])
+        ax.set_xlabel("true time to OOM (s)")
+        ax.set_ylabel("predicted time to OOM (s)")
+        ax.set_title(TITLES.get(name, name), fontsize=9)
+        ax.legend(fontsize=7, loc="upper left")
         ax.tick_params(labelsize=7)
-    np.atleast_1d(axes)[0].legend(fontsize=7, ncol=5, loc="upper left")
-    np.atleast_1d(axes)[-1].set_xlabel("seconds since the trace began")
+    fig.suptitle("Time to OOM: the model's forecast 60, 30 and 10 s before the OOM", fontsize=10)
     fig.tight_layout()
-    written.append(out_dir / "model-risk-examples.png")
-    fig.savefig(written[-1], dpi=110)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
 
-    # 3. calibration
-    fig, ax = plt.subplots(figsize=(4.5, 4.5))
-    ax.plot([0, 1], [0, 1], color="grey", ls=":", lw=1)
-    for h, rows in calibration(sim, fc.horizons_s).items():
-        if h in (15, 60, 300) or h == horizon:
-            ax.plot([r[0] for r in rows], [r[1] for r in rows], marker="o", ms=3, label=f"{h}s")
-    ax.set_xlabel("predicted risk")
-    ax.set_ylabel("observed share with an OOM within the horizon")
-    ax.set_title("Calibration, simulated test split", fontsize=10)
-    ax.legend(fontsize=8)
+
+@dataclass
+class Example:
+    label: str
+    trace: str
+    dom: DomainRisk
+    alert_ts: float | None
+
+
+def _main_domain(doms: list[DomainRisk]) -> DomainRisk | None:
+    """The domain that OOMed first, or the one that came closest to its limit."""
+    if not doms:
+        return None
+    ooms = [d for d in doms if d.oom_ts is not None]
+    if ooms:
+        return min(ooms, key=lambda d: d.oom_ts or 0.0)
+    return max(doms, key=lambda d: float(d.used.max()) if len(d.used) else 0.0)
+
+
+def pick_examples(
+    corpus: dict[str, list[DomainRisk]],
+    sim: dict[str, list[DomainRisk]],
+    runs: dict[str, dict[str, Any]],
+    sim_growth: Sequence[str],
+    alerts: dict[tuple[str, str], float | None],
+) -> list[Example]:
+    """About six traces: two corpus growth OOMs (different causes where there are), a corpus
+    near miss, a simulated OOM with growth, the simulated OOM-free trace that came closest
+    to its limit, and a sudden OOM (from the corpus if it has one)."""
+    picked: list[tuple[str, str, str]] = []  # (label, set, trace)
+
+    def oom(doms: list[DomainRisk]) -> bool:
+        return any(d.oom_ts is not None for d in doms)
+
+    def peak(doms: list[DomainRisk]) -> float:
+        return max((float(d.used.max()) for d in doms if len(d.used)), default=0.0)
+
+    growth = [
+        n
+        for n in sorted(corpus)
+        if oom(corpus[n]) and runs.get(n, {}).get("cause") in GROWTH_CAUSES
+    ]
+    first_of_cause = [
+        n
+        for i, n in enumerate(growth)
+        if runs[n]["cause"] not in {runs[m]["cause"] for m in growth[:i]}
+    ]
+    for n in (first_of_cause + [n for n in growth if n not in first_of_cause])[:2]:
+        picked.append((f"corpus OOM, {runs[n]['cause']}", "corpus_test_10hz", n))
+    ok = [n for n in sorted(corpus) if not oom(corpus[n]) and corpus[n]]
+    if ok:
+        # a near miss: the recorder's "near" runs first, closest to the limit in anon memory
+        near = max(
+            ok,
+            key=lambda n: (
+                runs.get(n, {}).get("role") == "near",
+                runs.get(n, {}).get("anon_peak_frac") or 0.0,
+                peak(corpus[n]),
+            ),
+        )
+        picked.append(
+            (f"corpus near miss, {runs.get(near, {}).get('cause')}", "corpus_test_10hz", near)
+        )
+    sim_ooms = [n for n in sorted(sim) if oom(sim[n])]
+    sim_growth_ooms = [n for n in sim_ooms if _cause(sim[n]) in sim_growth]
+    if sim_growth_ooms or sim_ooms:
+        n = (sim_growth_ooms or sim_ooms)[0]
+        picked.append((f"simulated OOM, {_cause(sim[n])}", "sim_test_full", n))
+    sim_ok = [n for n in sorted(sim) if not oom(sim[n]) and sim[n]]
+    if sim_ok:
+        n = max(sim_ok, key=lambda n: peak(sim[n]))
+        picked.append((f"simulated, no OOM, {_cause(sim[n])}", "sim_test_full", n))
+    sudden = [
+        ("corpus_test_10hz", n)
+        for n in sorted(corpus)
+        if oom(corpus[n]) and runs.get(n, {}).get("cause") not in GROWTH_CAUSES
+    ]
+    sudden += [("sim_test_full", n) for n in sim_ooms if _cause(sim[n]) not in sim_growth]
+    if sudden:
+        where, n = sudden[0]
+        doms = corpus[n] if where == "corpus_test_10hz" else sim[n]
+        picked.append((f"sudden OOM, {_cause(doms)}", where, n))
+    out = []
+    for label, where, n in picked:
+        dom = _main_domain(corpus[n] if where == "corpus_test_10hz" else sim[n])
+        if dom is not None:
+            out.append(Example(label, n, dom, alerts.get((where, n))))
+    return out
+
+
+def _cause(doms: list[DomainRisk]) -> str:
+    return next((d.cause for d in doms if d.cause), UNKNOWN_CAUSE)
+
+
+def plot_examples(examples: list[Example], fc: OnnxForecaster, path: Path) -> None:
+    plt = _pyplot()
+    rule = fc.rule
+    k = list(fc.horizons_s).index(rule.horizon_s)
+    rows = max(1, len(examples))
+    fig, axes = plt.subplots(rows, 1, figsize=(8, 1.75 * rows), squeeze=False)
+    for ax, ex in zip(axes[:, 0], examples, strict=False):
+        d = ex.dom
+        t0 = d.ts[0] if len(d.ts) else 0.0
+        ax.plot(d.ts - t0, d.used, color="tab:blue", lw=1, label="used fraction")
+        assert d.risk is not None
+        ax.plot(
+            d.ts - t0,
+            d.risk[:, k],
+            color="tab:orange",
+            lw=1.3,
+            label=f"risk within {rule.horizon_s}s",
+        )
+        ax.axhline(
+            rule.fire_risk, color="grey", ls="--", lw=0.8, label=f"threshold {rule.fire_risk:g}"
+        )
+        if d.oom_ts is not None:
+            ax.axvline(d.oom_ts - t0, color="red", lw=1.5, label="OOM")
+        if ex.alert_ts is not None:
+            ax.axvline(ex.alert_ts - t0, color="tab:orange", ls=":", lw=1.2, label="model alert")
+        ax.set_ylim(-0.02, 1.05)
+        ax.set_title(f"{ex.label}: {ex.trace}", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=6, loc="lower right", ncol=5)
+    axes[-1][0].set_xlabel("seconds since the trace began (model ticks, about 1 Hz)")
     fig.tight_layout()
-    written.append(out_dir / "model-calibration.png")
-    fig.savefig(written[-1], dpi=110)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
-    return written
 
 
-def _examples(sim: list[TraceRisk], host: list[TraceRisk]) -> list[TraceRisk]:
-    picked = []
-    for fam in ("leak", "eval_no_grad", "neighbour", "plateau", "spikes"):
-        cands = [t for t in sim if t.family == fam]
-        if cands:
-            picked.append(cands[0])
-    host_oom = [t for t in host if t.ooms]
-    if host_oom:
-        picked.append(host_oom[0])
-    return picked
+# --- the card ------------------------------------------------------------------------------
+def _corpus_runs(corpus: Path) -> dict[str, dict[str, Any]]:
+    manifest = json.loads((corpus / "manifest.json").read_text(encoding="utf-8"))
+    return {Path(r["file"]).name: r for r in manifest.get("runs", [])}
 
 
 def build(
-    model: Path | str,
+    model_path: Path | str,
+    *,
     sim_test: Path | str,
-    host_dir: Path | str,
-    out_dir: Path | str,
+    corpus: Path | str,
+    figures_dir: Path | str,
+    out_json: Path | str | None = None,
 ) -> dict[str, Any]:
-    """Figures under ``out_dir`` and the figures' numbers, for the card."""
-    from oomcast.training.dataset import host_split
+    """Measure the model and every baseline on the four sets, draw the three figures under
+    ``figures_dir``, and write the numbers to ``out_json`` (when given); returns them."""
+    from oomcast.training.dataset import TICK_S
+    from oomcast.training.record_corpus import corpus_paths
 
-    fc = OnnxForecaster(model)
-    k = list(fc.horizons_s).index(fc.rule.horizon_s)
-    thr = fc.rule.fire_risk
-    after = fc.rule.fire_after
-    manifest = json.loads((Path(sim_test).parent / "manifest.json").read_text())
-    fams = {Path(r["file"]).name: r["family"] for r in manifest["traces"]}
-    runs = json.loads((Path(host_dir) / "manifest.json").read_text())["runs"]
-    fams.update({r["file"]: r["scenario"] for r in runs})
-    sim = trace_risks(fc, find_traces(sim_test), fams)
-    _, held_out = host_split(host_dir)
-    host = trace_risks(fc, find_traces(host_dir), fams)
-    held = {p.name for p in held_out}
-    figures = plot(fc, sim, host, k, thr, Path(out_dir), after)
-    leads = [v for t in sim if t.ooms and (v := lead_of(t, k, thr, after)) is not None]
-    return {
-        "rule": {"horizon_s": fc.rule.horizon_s, "fire_risk": thr, "fire_after": after},
-        "sim_families": family_table(sim, k, thr, after),
-        "host_families": family_table(host, k, thr, after),
-        "host_held_out": family_table([t for t in host if t.name in held], k, thr, after),
-        "sim_median_lead_s": statistics.median(leads) if leads else None,
-        "calibration": {str(h): v for h, v in calibration(sim, fc.horizons_s).items()},
-        "figures": [str(p) for p in figures],
-        "metadata": fc.metadata,
+    started = last = time.monotonic()
+    seconds: dict[str, float] = {}
+
+    def lap(what: str) -> None:
+        nonlocal last
+        now = time.monotonic()
+        seconds[what] = round(now - last, 1)
+        last = now
+
+    fc = OnnxForecaster(model_path)
+    if fc.tick_s != TICK_S:
+        raise ValueError(f"{model_path}: ticks every {fc.tick_s}s; the labels assume {TICK_S}s")
+    missing = [h for h in fc.horizons_s if h not in HORIZONS_S]
+    if missing:
+        raise ValueError(f"{model_path}: horizons {missing} have no labels")
+    detectors = [Detector(MODEL, fc, fc.rule), *baseline_detectors()]
+    corpus, sim_test = Path(corpus), Path(sim_test)
+    runs = _corpus_runs(corpus)
+    programs = {name: r.get("program", UNKNOWN_CAUSE) for name, r in runs.items()}
+    paths = {"corpus": corpus_paths(corpus, "test"), "sim": find_traces(sim_test)}
+    growth = {"corpus": tuple(GROWTH_CAUSES), "sim": SIM_GROWTH_FAMILIES}
+    sets: dict[str, Any] = {}
+    model_rows: dict[str, list[dict[str, Any]]] = {}
+    for name, (source, view, resample_s) in SETS.items():
+        section, by_det = score_set(
+            detectors,
+            paths[source],
+            growth[source],
+            view=view,
+            resample_s=resample_s,
+            programs=programs if source == "corpus" else None,
+        )
+        section["source"] = str(corpus if source == "corpus" else sim_test)
+        sets[name] = section
+        model_rows[name] = by_det[MODEL]
+        lap(name)
+
+    causes = Causes()
+    risks = {
+        "corpus_test_10hz": model_risks(fc, paths["corpus"], causes),
+        "sim_test_full": model_risks(fc, paths["sim"], causes),
     }
+    lap("model_risks")
+    rel = {
+        name: reliability((d for doms in risks[name].values() for d in doms), fc.horizons_s)
+        for name in FIGURE_SETS
+    }
+    alerts = {
+        (name, r["trace"]): r["first_alert_ts"] for name in FIGURE_SETS for r in model_rows[name]
+    }
+    examples = pick_examples(
+        risks["corpus_test_10hz"], risks["sim_test_full"], runs, SIM_GROWTH_FAMILIES, alerts
+    )
+    figures_dir = Path(figures_dir)
+    figures_dir.mkdir(parents=True, exist_ok=True)
+    figures = {key: figures_dir / file for key, file in FIGURES.items()}
+    plot_reliability(rel, figures["reliability"])
+    plot_tto({name: model_rows[name] for name in FIGURE_SETS}, figures["tto_error"])
+    plot_examples(examples, fc, figures["risk_examples"])
+    lap("figures")
+    seconds["total"] = round(time.monotonic() - started, 1)
+
+    result: dict[str, Any] = {
+        "model": {
+            "path": str(model_path),
+            "version": fc.version,
+            "rule": {
+                "horizon_s": fc.rule.horizon_s,
+                "fire_risk": fc.rule.fire_risk,
+                "fire_after": fc.rule.fire_after,
+            },
+            "horizons_s": list(fc.horizons_s),
+            "tick_s": fc.tick_s,
+        },
+        "sets": sets,
+        "quietest_baseline_at_model_fa": {name: compare_at_model_fa(s) for name, s in sets.items()},
+        "reliability": rel,
+        "risk_examples": [
+            {"label": e.label, "trace": e.trace, "oom_ts": e.dom.oom_ts, "alert_ts": e.alert_ts}
+            for e in examples
+        ],
+        "figures": {key: str(p) for key, p in figures.items()},
+        "seconds": seconds,
+    }
+    if out_json is not None:
+        Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    return result

@@ -5,6 +5,11 @@ emit an ``oom`` event and are restarted after a pause, like a job under a retryi
 scheduler. The same GPUs run on wall-clock time (``SimSource``, for the demo and the agent)
 or on virtual time (``simulate_trace``, for test traces), deterministic for a seed.
 This is a demo source; the realistic allocator simulator lives in ``training/``.
+
+Patterns: ``leak`` climbs steadily from its start-up level and OOMs after one to four
+minutes; ``fast_leak`` climbs the same way, faster, and OOMs 62-80 s into its job (so the
+demo shows an OOM, and a warning of it, within a minute and a half); ``step_growth`` grows
+in steps; ``sawtooth``, ``spiky`` and ``plateau`` look busy but never run out of memory.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from dataclasses import dataclass, field
 from oomcast.model.schema import Event, Record, Sample
 
 GIB = 1 << 30
-PATTERNS = ("leak", "step_growth", "sawtooth", "spiky", "plateau")
-OOM_PATTERNS = ("leak", "step_growth")
+PATTERNS = ("leak", "fast_leak", "step_growth", "sawtooth", "spiky", "plateau")
+OOM_PATTERNS = ("leak", "fast_leak", "step_growth")
+# a fast_leak's job time by which even the troughs of its activations reach capacity
+FAST_LEAK_OOM_BY_S = (72.0, 78.0)
 
 
 @dataclass
@@ -56,6 +63,8 @@ class SimGPU:
             "tau_s": r.uniform(20.0, 60.0),
             "spike_every_s": r.uniform(20.0, 40.0),
         }
+        if self.pattern == "fast_leak":  # drawn here only: other patterns' draws are unchanged
+            self._params["oom_by_s"] = r.uniform(*FAST_LEAK_OOM_BY_S)
         self._retries = 0
         base = self.job or f"{self.pattern}-{self.device}"
         self._job_name = f"{base}-{self._restarts}" if self._restarts else base
@@ -70,6 +79,13 @@ class SimGPU:
         noise = r.gauss(0.0, 0.003)
         if self.pattern == "leak":
             return ctx + base + act + p["leak_per_s"] * t + noise
+        if self.pattern == "fast_leak":
+            # A leak's steady climb, at the rate that brings the job to capacity at oom_by_s
+            # even between activations, whatever its base; with half a leak's activations
+            # their peaks get there at most 12% sooner. So it OOMs between ~0.88 and 1.0
+            # times oom_by_s (+-1.5 s of noise), however the samples fall on the steps.
+            rate = (1.0 - ctx - p["base"]) / p["oom_by_s"]
+            return ctx + base + act * 0.5 + rate * t + noise
         if self.pattern == "step_growth":
             return ctx + base + act + p["step_frac"] * math.floor(t / p["step_every_s"]) + noise
         if self.pattern == "sawtooth":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,38 @@ def test_bad_pattern_raises_value_error() -> None:
         SimGPU("n1", "gpu0", "bogus")
     with pytest.raises(ValueError, match="leak"):
         simulate_trace("bogus")
+
+
+@pytest.mark.parametrize("interval_s", [0.5, 1.0])
+def test_fast_leak_ooms_62_to_80s_into_every_job(interval_s: float) -> None:
+    for seed in range(30):
+        recs = simulate_trace(
+            "fast_leak", seed=seed, duration_s=400, interval_s=interval_s, stop_at_oom=False
+        )
+        ooms = [r.ts - T0 for r in recs if isinstance(r, Event)]
+        assert len(ooms) >= 2, seed
+        assert 62 <= ooms[0] <= 80, (seed, ooms)
+        restarted = ooms[0] + 20.0  # restart_after_s: the next job starts then
+        assert 62 <= ooms[1] - restarted <= 80 + interval_s, (seed, ooms)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_fast_leak_is_a_steady_climb_from_its_start_up_level(seed: int) -> None:
+    recs = simulate_trace("fast_leak", seed=seed, duration_s=120, interval_s=0.5)
+    ss = samples_of(recs)[:-1]  # up to the sample before the OOM
+    frac = [s.used_frac for s in ss]
+    assert 0.3 < frac[10] < 0.7  # 5 s in: weights loaded, far from full
+    means = [sum(frac[i : i + 20]) / 20 for i in range(10, len(frac) - 20, 4)]
+    assert all(b > a for a, b in itertools.pairwise(means))  # rises every 2 s, never levels off
+    assert max(b - a for a, b in itertools.pairwise(frac[10:])) < 0.1  # and never jumps
+    assert frac[-60] < 0.9  # 30 s before the OOM there is still room: time to warn
+
+
+def test_fast_leak_is_a_leak_job_with_one_draw_more() -> None:
+    # the same job parameters as a leak of that seed, plus when it must be full; the other
+    # patterns draw exactly what they drew before fast_leak existed
+    fast = SimGPU("n1", "gpu0", "fast_leak", seed=5)
+    leak = SimGPU("n1", "gpu0", "leak", seed=5)
+    assert {k: v for k, v in fast._params.items() if k != "oom_by_s"} == leak._params
+    assert 72 <= fast._params["oom_by_s"] <= 78
+    assert "fast_leak" in OOM_PATTERNS

@@ -11,7 +11,16 @@ import pytest
 import support
 
 from oomcast.model.schema import Event, Record, Sample
-from oomcast.model.trace import Trace, TraceError, find_traces, iter_trace, load_trace, write_trace
+from oomcast.model.trace import (
+    Trace,
+    TraceError,
+    downsample,
+    downsample_trace,
+    find_traces,
+    iter_trace,
+    load_trace,
+    write_trace,
+)
 
 T0 = support.T0
 GIB = support.GIB
@@ -299,3 +308,103 @@ def test_nvml_view_keeps_what_nvml_reports_and_leaves_host_samples_alone() -> No
     view = as_nvml_sees_it(trace)
     assert view.samples[gpu.domain] == [seen] and view.samples[host.domain] == [host]
     assert view.events == trace.events and trace.samples[gpu.domain] == [gpu]  # a copy
+
+
+# --- downsampling ---------------------------------------------------------------------------
+
+
+def ramp_10hz(seconds: int = 60, spike_at: int | None = None) -> list[Sample]:
+    """used climbs 0.3 -> 0.9 at 10 Hz; one sample (index ``spike_at``) jumps to 0.99."""
+    n = seconds * 10
+    return [
+        support.sample(T0 + i / 10, 0.99 if i == spike_at else 0.3 + 0.6 * i / n) for i in range(n)
+    ]
+
+
+def test_downsample_a_10hz_ramp_to_1hz_keeps_one_sample_a_second() -> None:
+    ss = ramp_10hz()
+    kept = downsample(ss, 1.0)
+    assert len(kept) == 60  # 600 samples at 10 Hz over 60 s
+    assert kept[0] == ss[0]  # the first sample, unchanged
+    assert kept == ss[::10]  # t = 0, 1, ..., 59: each the first sample a second on
+    # a rising ramp's kept sample is its group's highest: nothing to add, no peak invented
+    assert all(s.peak_bytes is None for s in kept)
+
+
+def test_downsample_keeps_the_peak_of_a_spike_between_kept_samples() -> None:
+    ss = ramp_10hz(spike_at=23)  # t = 2.3 s: dropped, between the kept t = 2 and t = 3
+    kept = downsample(ss, 1.0)
+    assert [round(s.ts - T0, 6) for s in kept[:4]] == [0, 1, 2, 3]
+    assert kept[3].used_bytes == ss[30].used_bytes
+    assert kept[3].peak_bytes == ss[23].used_bytes == int(0.99 * 80 * GIB)
+    assert kept[2] == ss[20] and kept[4] == ss[40]  # the groups around it are untouched
+
+
+def test_downsample_peak_is_the_max_of_reported_peaks_and_uses() -> None:
+    ss = [
+        support.sample(T0, 0.5, peak_bytes=60 * GIB),
+        support.sample(T0 + 0.4, 0.5, peak_bytes=70 * GIB),  # dropped: its peak moves on
+        support.sample(T0 + 0.7, 0.6),  # dropped, no peak: its use counts (48 GiB)
+        support.sample(T0 + 1.0, 0.5, peak_bytes=41 * GIB),  # kept, peak 70 GiB
+        support.sample(T0 + 1.5, 0.5),  # dropped
+        support.sample(T0 + 2.2, 0.55, peak_bytes=45 * GIB),  # kept, own peak highest
+    ]
+    kept = downsample(ss, 1.0)
+    assert [s.ts for s in kept] == [T0, T0 + 1.0, T0 + 2.2]
+    assert [s.peak_bytes for s in kept] == [60 * GIB, 70 * GIB, 45 * GIB]
+    assert kept[1].used_bytes == ss[3].used_bytes  # only the peak changes
+
+
+def test_downsample_is_not_thrown_by_float_noise_in_timestamps() -> None:
+    ts = [T0]
+    for _ in range(599):
+        ts.append(ts[-1] + 0.1)  # as a 10 Hz recorder adds them up: 1 s is 0.999999046 s
+    ss = [support.sample(t, 0.5) for t in ts]
+    assert len(downsample(ss, 1.0)) == 60
+
+
+def test_downsample_measures_from_the_last_kept_sample() -> None:
+    # every 0.6 s with a 1 s interval: 0 kept, 0.6 too soon, 1.2 kept, 1.8 too soon, 2.4 kept
+    ss = [support.sample(T0 + 0.6 * i, 0.5) for i in range(5)]
+    assert [round(s.ts - T0, 6) for s in downsample(ss, 1.0)] == [0, 1.2, 2.4]
+
+
+def test_downsample_is_per_domain() -> None:
+    ss: list[Sample] = []
+    for i in range(20):
+        ss.append(support.sample(T0 + i / 10, 0.5, device="gpu0"))
+        ss.append(support.sample(T0 + 0.05 + i / 10, 0.4, device="gpu1"))
+    kept = downsample(ss, 1.0)
+    assert [(s.device, round(s.ts - T0, 6)) for s in kept] == [
+        ("gpu0", 0),
+        ("gpu1", 0.05),
+        ("gpu0", 1),
+        ("gpu1", 1.05),
+    ]
+
+
+def test_downsample_trace_keeps_events_and_the_oom() -> None:
+    ss = ramp_10hz(seconds=30, spike_at=295)  # t = 29.5: after the last kept sample
+    oom = Event(ts=T0 + 30, node="n1", device="gpu0", event="oom", job="j")
+    other = support.sample(T0, 0.2, device="gpu1")
+    trace = Trace(path="t.jsonl", samples={("n1", "gpu0"): ss, ("n1", "gpu1"): [other]})
+    trace.events = [Event(ts=T0 + 5, node="n1", device="gpu0", event="checkpoint_done"), oom]
+    out = downsample_trace(trace, 1.0)
+    assert out.path == "t.jsonl"
+    assert out.events == trace.events and out.events is not trace.events
+    assert out.ooms and out.oom_ts(("n1", "gpu0")) == T0 + 30
+    kept = out.samples[("n1", "gpu0")]
+    assert len(kept) == 30
+    # samples after the last kept one (t = 29) stand for nothing kept: a 1 Hz poller would
+    # not have seen them either
+    assert kept[-1] == ss[290] and kept[-1].peak_bytes is None
+    assert out.samples[("n1", "gpu1")] == [other]
+    assert len(trace.samples[("n1", "gpu0")]) == 300  # the input is left as it was
+
+
+@pytest.mark.parametrize("interval", [0.0, -1.0, float("nan"), float("inf")])
+def test_downsample_refuses_a_bad_interval(interval: float) -> None:
+    with pytest.raises(ValueError, match="interval_s="):
+        downsample(ramp_10hz(seconds=1), interval)
+    with pytest.raises(ValueError, match="interval_s="):
+        downsample_trace(Trace(path="empty.jsonl"), interval)

@@ -1,23 +1,29 @@
-"""training/dataset.py: labels, masks, the host split, caching and window sampling."""
+"""training/dataset.py: tick rows, labels, masks, views, the host split, caching and window
+sampling."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 from support import leak_trace, steady_trace, write
 
-from oomcast.model.embedding import N_FEATURES
+from oomcast.model import trace as trace_module
+from oomcast.model.embedding import FEATURES, N_FEATURES, EmbeddingState, tick_rows
 from oomcast.model.forecast import HORIZONS_S
-from oomcast.model.schema import Event
+from oomcast.model.schema import Event, Sample
+from oomcast.model.trace import load_trace
 from oomcast.training.dataset import (
+    TICK_S,
     host_split,
     load_folder,
     load_paths,
     sample_windows,
     sequences_of,
+    sequences_of_trace,
 )
 
 HOST = Path(__file__).resolve().parents[2] / "training" / "traces" / "host"
@@ -31,6 +37,64 @@ def test_oom_labels_say_whether_the_oom_falls_within_each_horizon(tmp_path: Path
     for k, h in enumerate(HORIZONS_S):
         assert np.array_equal(seq.y[:, k] == 1, seq.tto <= h)
     assert seq.m.all()  # the OOM tells every horizon's answer
+
+
+def test_a_10_hz_trace_keeps_only_the_tick_rows_embedded_from_every_sample(
+    tmp_path: Path,
+) -> None:
+    records = leak_trace(seconds_to_oom=120, interval_s=0.1)
+    path = write(tmp_path / "fast.jsonl", records)
+    (seq,) = sequences_of(path)
+    samples = [r for r in records if isinstance(r, Sample)]
+    rows = tick_rows([s.ts for s in samples], TICK_S)
+    assert TICK_S == 1.0 and len(rows) < len(samples) / 9  # about one row a second
+    assert seq.x.shape == (len(rows), N_FEATURES) and 115 <= len(rows) <= 125
+    # each row is the embedding of its tick sample with the whole 10 Hz history behind it
+    state = EmbeddingState()
+    every = [state.embed(s) for s in samples]
+    assert np.array_equal(seq.x, np.asarray([every[i] for i in rows], dtype=np.float32))
+    dt = seq.x[1:, FEATURES.index("log1p_dt_s")]
+    assert np.allclose(dt, np.log1p(0.1), atol=1e-4)  # the sample interval, not the tick's
+    # labels and times to OOM are those of the tick samples
+    oom = records[-1].ts
+    assert np.allclose(seq.tto, [oom - samples[i].ts for i in rows])
+    for k, h in enumerate(HORIZONS_S):
+        assert np.array_equal(seq.y[:, k] == 1, seq.tto <= h)
+
+
+def test_sequences_of_trace_takes_a_trace_in_memory_and_names_it(tmp_path: Path) -> None:
+    path = write(tmp_path / "t.jsonl", leak_trace(seconds_to_oom=90, device="gpu3"))
+    from_file = sequences_of(path)
+    (seq,) = sequences_of_trace(load_trace(path), "in-memory")
+    assert seq.name == "in-memory:gpu3" and from_file[0].name == "t.jsonl:gpu3"
+    assert np.array_equal(seq.x, from_file[0].x) and np.array_equal(seq.y, from_file[0].y)
+    assert seq.group == "" and seq.ooms
+    (nvml,) = sequences_of_trace(load_trace(path), "in-memory", view="nvml")
+    assert nvml.name == "in-memory:gpu3~nvml"
+
+
+def test_the_1hz_view_sees_a_10_hz_trace_as_a_1_hz_source_would(tmp_path: Path) -> None:
+    if not hasattr(trace_module, "downsample_trace"):
+        pytest.skip("model.trace.downsample_trace is not there yet (another engineer adds it)")
+    records = leak_trace(seconds_to_oom=120, interval_s=0.1)
+    # one spike between whole seconds: the downsampled view must keep it as a peak
+    spike_at = 605
+    spiked = records[spike_at]
+    assert isinstance(spiked, Sample)
+    records[spike_at] = replace(spiked, used_bytes=spiked.total_bytes - 1)
+    path = write(tmp_path / "fast.jsonl", records)
+    (full,) = sequences_of(path)
+    (slow,) = sequences_of(path, view="1hz")
+    assert slow.name == "fast.jsonl:gpu0~1hz" and slow.ooms
+    assert abs(len(slow.x) - len(full.x)) <= 2  # both tick about once a second
+    dt = slow.x[1:, FEATURES.index("log1p_dt_s")]
+    assert np.allclose(dt, np.log1p(1.0), atol=1e-3)  # samples a second apart
+    assert slow.m.all()
+    for k, h in enumerate(HORIZONS_S):
+        assert np.array_equal(slow.y[:, k] == 1, slow.tto <= h)
+    peak = FEATURES.index("peak_frac")
+    assert slow.x[:, peak].max() > 0.999  # the spike survived as the next kept peak
+    assert not np.array_equal(slow.x, full.x[: len(slow.x)])
 
 
 def test_safe_traces_mask_the_horizons_that_run_past_the_end(tmp_path: Path) -> None:
@@ -72,6 +136,11 @@ def test_load_folder_caches_and_gives_back_the_same_arrays(tmp_path: Path) -> No
     assert [s.name for s in again] == [s.name for s in first]
     for a, b in zip(first, again, strict=True):
         assert np.array_equal(a.x, b.x) and np.array_equal(a.m, b.m) and a.ooms == b.ooms
+        assert np.array_equal(a.y, b.y) and np.array_equal(a.tto, b.tto)
+    # another view is another cache entry, with its own sequences
+    nvml = load_folder(folder, cache, workers=1, view="nvml")
+    assert len(list(cache.glob("*.npz"))) == 2
+    assert all(s.name.endswith("~nvml") for s in nvml)
     with pytest.raises(FileNotFoundError, match="not a folder of traces"):
         load_folder(tmp_path / "empty-does-not-exist", cache)
     with pytest.raises(FileNotFoundError, match="no traces given"):
@@ -131,11 +200,6 @@ def test_weights_and_hard_moments_steer_the_sampling(seqs: list) -> None:  # typ
 
 
 def test_nvml_view_sequences_cover_gpu_domains_without_allocator_figures(tmp_path: Path) -> None:
-    from dataclasses import replace
-
-    from oomcast.model.embedding import FEATURES
-    from oomcast.model.schema import Sample
-
     records = [
         replace(r, allocated_bytes=r.used_bytes // 2, reserved_bytes=r.used_bytes)
         if isinstance(r, Sample)

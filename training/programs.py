@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from oomcast.training.workloads import small_cnn  # the same CNN as the first host traces
+
 MIB = 1 << 20
 CAUSES = (
     "none",
@@ -138,28 +140,10 @@ class MLPTabular(Job):
         return self.model[2]
 
 
-def _cnn(c: int, classes: int = 10) -> nn.Sequential:
-    return nn.Sequential(
-        nn.Conv2d(3, c, 3, padding=1),
-        nn.BatchNorm2d(c),
-        nn.ReLU(),
-        nn.Conv2d(c, c, 3, padding=1),
-        nn.BatchNorm2d(c),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(c, 2 * c, 3, padding=1),
-        nn.BatchNorm2d(2 * c),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(4),
-        nn.Flatten(),
-        nn.Linear(2 * c * 16, classes),
-    )
-
-
 class CNNClassifier(Job):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        self.model = _cnn(args.width // 32)
+        self.model = small_cnn(args.width // 32)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
 
     def inputs(self, n: int, size: int) -> Any:

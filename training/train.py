@@ -305,6 +305,7 @@ def train(
     tto_weight: float = 0.3,
     tto_max_s: float = 1200.0,
     cell_penalty: float = 1e-3,
+    init_from: Path | str | None = None,
     patience: int = 10,
     max_minutes: float = 30.0,
     max_false_alarms: float = 0.02,
@@ -336,6 +337,8 @@ def train(
     net = OOMForecastNet(cfg)
     mean, std = normalization(train_seqs)
     net.set_normalization(torch.from_numpy(mean), torch.from_numpy(std))
+    if init_from is not None:  # go on from an earlier run's weights (and its normalization)
+        net.load_state_dict(load_checkpoint(init_from)[0].state_dict())
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs, eta_min=lr / 20)
     log(

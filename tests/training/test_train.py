@@ -333,3 +333,26 @@ def test_cli_train_refuses_a_folder_without_splits(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "not a folder of traces" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_training_can_go_on_from_an_earlier_checkpoint(
+    data: Path, runs: dict[str, Any], tmp_path: Path
+) -> None:
+    earlier_dir, earlier = runs["a"]
+    ckpt = train(
+        Sources(sim=data, shapes=12),
+        tmp_path / "more",
+        epochs=1,
+        draws_per_epoch=8,
+        batch=8,
+        max_ticks=400,
+        lr=0.0,  # no step moves a weight: what comes out is what went in
+        cfg=TINY,
+        cache=tmp_path / "cache",
+        init_from=earlier_dir / "checkpoint.pt",
+        log=lambda *_: None,
+        progress=False,
+    )
+    moved = [k for k in earlier["weights"] if not k.startswith("cal_")
+             and not torch.equal(earlier["weights"][k], ckpt["weights"][k])]  # fmt: skip
+    assert moved == []  # the weights of seed 7, not the fresh ones of the default seed 0

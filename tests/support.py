@@ -1,10 +1,24 @@
-"""Builders of samples and labelled traces shared by the tests (``import support``)."""
+"""What the tests share that is not a fixture (fixtures live in ``conftest.py`` and reach
+tests by pytest's discovery): builders of samples, labelled traces and cgroup file trees;
+free ports, the one wait helper (``wait_until``), a real HTTP receiver for webhooks, a private
+redis-server, and ``oomcast serve`` as a real process. Tests ``from support import ...``."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
+
+import redis
 
 from oomcast.model.schema import Event, Record, Sample
 from oomcast.model.trace import write_trace
@@ -142,3 +156,152 @@ def v2_files(
         f"oom_kill {oom_kill}\noom_group_kill 0",
         "cgroup.procs": "",
     }
+
+
+# --- processes, ports and waiting ---------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate: Any, timeout_s: float = 20.0, interval_s: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true (True) or ``timeout_s`` passes (False). The one
+    place the tests sleep: everything else waits on a condition through this."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return False
+
+
+def oomcast_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "oomcast.service.cli", *args]
+
+
+def start_serve(env: dict[str, str], port: int) -> subprocess.Popen[bytes]:
+    """`oomcast serve` as a real process on ``port``, returned once ``/readyz`` says 200."""
+    import httpx
+
+    proc = subprocess.Popen(
+        oomcast_cmd("serve", "--port", str(port)),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    if not wait_until(ready, 30):
+        proc.kill()
+        proc.wait()
+        raise AssertionError("oomcast serve did not become ready")
+    return proc
+
+
+class PrivateRedis:
+    """A redis-server of the test's own, on a free port, that the test can stop and restart."""
+
+    def __init__(self, tmp: Path) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not on PATH; .ci/run installs it")
+        self.exe = exe
+        self.tmp = tmp
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                self.exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.tmp),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+        def answers() -> bool:
+            try:
+                return bool(redis.Redis.from_url(self.url, socket_connect_timeout=0.2).ping())
+            except redis.RedisError:
+                return False
+
+        if not wait_until(answers, 10):
+            raise RuntimeError("private redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+class WebhookReceiver:
+    """A real HTTP server that records every POST; ``statuses`` scripts its answers."""
+
+    def __init__(self, port: int = 0) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.statuses: list[int] = []  # answered in order; 200 once exhausted
+        self._lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with receiver._lock:
+                    status = receiver.statuses.pop(0) if receiver.statuses else 200
+                    receiver.requests.append(
+                        {
+                            "path": self.path,
+                            "headers": dict(self.headers),
+                            "body": body,
+                            "json": json.loads(body),
+                            "status": status,
+                            "at": time.time(),
+                        }
+                    )
+                self.send_response(status)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def wait_for(self, predicate: Any, timeout_s: float = 20.0) -> list[dict[str, Any]]:
+        """The requests that satisfy ``predicate``, once there is one (empty on timeout)."""
+        got: list[dict[str, Any]] = []
+
+        def some() -> bool:
+            nonlocal got
+            with self._lock:
+                got = [r for r in self.requests if predicate(r)]
+            return bool(got)
+
+        wait_until(some, timeout_s)
+        return got
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

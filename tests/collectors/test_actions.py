@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import redis
-from conftest import wait_until
+from support import wait_until
 
 from oomcast.collectors.actions import (
     ActionResult,

@@ -10,8 +10,7 @@ from typing import Any
 
 import httpx
 import redis
-from conftest import free_port, start_serve, wait_until
-from support import v2_files, write_files
+from support import free_port, start_serve, v2_files, wait_until, write_files
 
 from oomcast.collectors.agent import NodeAgent
 from oomcast.collectors.nvml import Nvml

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from conftest import oomcast_cmd
+from support import oomcast_cmd
 
 from oomcast.collectors.bench import bench_agent
 

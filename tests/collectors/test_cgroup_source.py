@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support import LIMIT, MIB, v1_files, v2_files, write_files
@@ -16,7 +16,6 @@ from support import LIMIT, MIB, v1_files, v2_files, write_files
 from oomcast.collectors.cgroupfs import (
     CgroupUnavailable,
     MemoryCgroup,
-    default_root,
     parse_pressure,
 )
 from oomcast.collectors.sources.cgroup import CgroupSource
@@ -256,16 +255,8 @@ while True:
 
 
 @pytest.fixture
-def real_cgroup() -> Iterator[MemoryCgroup]:
-    try:
-        root = default_root()
-        cg = MemoryCgroup.create(root, f"oomcast-src-{os.getpid()}-{time.monotonic_ns()}", 96 * MIB)
-    except CgroupUnavailable as exc:
-        pytest.skip(f"no writable memory cgroup here: {exc}")
-    try:
-        yield cg
-    finally:
-        cg.remove()
+def real_cgroup(make_cgroup: Any) -> MemoryCgroup:
+    return make_cgroup("oomcast-src", 96 * MIB)
 
 
 def test_real_oom_kill_is_seen_by_the_source(real_cgroup: MemoryCgroup) -> None:

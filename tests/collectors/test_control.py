@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import pytest
 import redis
-from conftest import wait_until
+from support import wait_until
 
 from oomcast.collectors.actions import ActionResult, Candidate, ShedAction, live_start_time
 from oomcast.collectors.control import (

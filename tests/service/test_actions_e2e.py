@@ -14,38 +14,20 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import redis
-from conftest import free_port, oomcast_cmd, start_serve, wait_until
+from support import free_port, oomcast_cmd, start_serve, wait_until
 
-from oomcast.collectors.cgroupfs import CgroupUnavailable, MemoryCgroup, default_root
+from oomcast.collectors.cgroupfs import MemoryCgroup
 from oomcast.model.control import new_command, sign_command
 from oomcast.model.wire import Keys, decode_event
 
 MIB = 1 << 20
 SECRET = "e2e-control-secret"
-
-
-@pytest.fixture
-def make_cgroup() -> Iterator[Any]:
-    made: list[MemoryCgroup] = []
-
-    def make(name: str, limit: int) -> MemoryCgroup:
-        try:
-            cg = MemoryCgroup.create(default_root(), f"{name}-{os.getpid()}-{len(made)}", limit)
-        except CgroupUnavailable as exc:
-            pytest.skip(f"no writable memory cgroup here: {exc}")
-        made.append(cg)
-        return cg
-
-    yield make
-    for cg in made:
-        cg.remove()
 
 
 def write_rules(path: Path, rules: list[dict[str, Any]]) -> Path:

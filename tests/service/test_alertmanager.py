@@ -462,8 +462,7 @@ def test_the_service_pushes_a_rule_alert_that_alertmanager_shows(
     am: Alertmanager, redis_url: str, key_prefix: str, tmp_path: Path
 ) -> None:
     """`oomcast serve` with OOMCAST_ALERTMANAGER_URL, a replayed leak, the alert read back."""
-    from conftest import oomcast_cmd, start_serve
-    from support import leak_trace, write
+    from support import leak_trace, oomcast_cmd, start_serve, write
 
     rules = tmp_path / "rules.yaml"
     rules.write_text(

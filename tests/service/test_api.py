@@ -6,9 +6,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import free_port, wait_until
 from fastapi.testclient import TestClient
-from support import GIB, T0
+from support import GIB, T0, free_port, wait_until
 
 from oomcast.model.wire import Keys
 from oomcast.service.main import create_app

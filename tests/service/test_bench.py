@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 
-from conftest import oomcast_cmd
+from support import oomcast_cmd
 
 from oomcast.service.bench import bench_inference
 

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import httpx
 import redis
-from conftest import free_port, oomcast_cmd, wait_until
-from support import LIMIT, v2_files, write_files
+from support import LIMIT, free_port, oomcast_cmd, v2_files, wait_until, write_files
 
 from oomcast.model.wire import Keys, decode_samples
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import redis
-from conftest import oomcast_cmd
+from support import oomcast_cmd
 
 from oomcast.collectors.sources.sim import SimSource
 from oomcast.model.schema import Event, Sample

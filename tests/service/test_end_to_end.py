@@ -14,8 +14,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from conftest import free_port, oomcast_cmd, start_serve, wait_until
-from support import leak_trace, steady_trace, write
+from support import free_port, leak_trace, oomcast_cmd, start_serve, steady_trace, wait_until, write
 
 from oomcast.model.schema import Event
 from oomcast.model.wire import Keys

@@ -15,9 +15,8 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from conftest import free_port, start_serve, wait_until
 from fastapi.testclient import TestClient
-from support import GIB, T0
+from support import GIB, T0, free_port, start_serve, wait_until
 
 from oomcast.model.wire import Keys, encode_samples
 from oomcast.service.main import create_app

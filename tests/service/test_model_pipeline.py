@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import free_port, oomcast_cmd, start_serve
+from support import free_port, oomcast_cmd, start_serve
 
 from oomcast.model.baselines import baseline_by_name
 from oomcast.model.forecast import Detector

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import oomcast_cmd
+from support import oomcast_cmd
 
 from oomcast.model.control import NonceCache, verify_command
 from oomcast.model.forecast import AlertRule, Forecast, RiskRow

@@ -101,7 +101,7 @@ def test_a_domains_alerts_arrive_in_order_despite_retries(webhook_receiver) -> N
 def test_a_receiver_that_is_down_delays_nothing_and_gets_the_alerts_when_back() -> None:
     import time
 
-    from conftest import WebhookReceiver, free_port
+    from support import WebhookReceiver, free_port
 
     port = free_port()  # nothing listens there yet
     results: list[str] = []

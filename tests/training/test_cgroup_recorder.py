@@ -4,7 +4,6 @@ two real runs under a real memory cgroup (skipped where no cgroup can be created
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from oomcast.training import cgroup_recorder as cr
 from oomcast.training.cgroup_recorder import (
     CgroupError,
     CgroupMonitor,
-    CgroupUnavailable,
     MemoryCgroup,
 )
 
@@ -105,19 +103,7 @@ time.sleep(0.6)
 """
 
 
-@pytest.fixture
-def real_root() -> Iterator[Path]:
-    """A cgroup directory where this test may create children, or a skip saying why not."""
-    try:
-        root = cr.default_root()
-        probe = MemoryCgroup.create(root, f"oomcast-probe-{id(root)}", 64 * MIB)
-    except CgroupUnavailable as exc:
-        pytest.skip(f"no writable memory cgroup: {exc}")
-    probe.remove()
-    yield root
-
-
-def test_real_oom_kill_is_recorded(real_root: Path, tmp_path: Path) -> None:
+def test_real_oom_kill_is_recorded(cgroup_root: Path, tmp_path: Path) -> None:
     out = tmp_path / "oom.jsonl.gz"
     limit = 64 * MIB
     result = cr.record(
@@ -125,7 +111,7 @@ def test_real_oom_kill_is_recorded(real_root: Path, tmp_path: Path) -> None:
         limit_bytes=limit,
         out=out,
         job="alloc-loop",
-        root=real_root,
+        root=cgroup_root,
         interval_s=0.05,
         timeout_s=20,
     )
@@ -140,15 +126,15 @@ def test_real_oom_kill_is_recorded(real_root: Path, tmp_path: Path) -> None:
     assert all(s.total_bytes == limit and s.job == "alloc-loop" for s in samples)
     assert max(s.used_bytes for s in samples) >= 0.8 * limit
     assert samples[-1].used_bytes >= 0.6 * limit  # still near the wall just before the kill
-    assert not (real_root / Path(result["cgroup"]).name).exists()  # cleaned up
+    assert not (cgroup_root / Path(result["cgroup"]).name).exists()  # cleaned up
 
 
 def test_real_run_under_the_limit_ends_with_an_exit_event(
-    real_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    cgroup_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "ok.jsonl"
     argv = ["--limit", "64M", "--out", str(out), "--job", "small", "--interval", "0.1"]
-    argv += ["--root", str(real_root), "--", sys.executable, "-S", "-c", ALLOC_SOME]
+    argv += ["--root", str(cgroup_root), "--", sys.executable, "-S", "-c", ALLOC_SOME]
     assert cr.main(argv) == 0
     assert "oom=False" in capsys.readouterr().err
     trace = load_trace(out)

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import oomcast_cmd
-from support import sample
+from support import oomcast_cmd, sample
 
 from oomcast.model.schema import Event
 from oomcast.model.trace import load_trace

@@ -13,15 +13,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
-from conftest import oomcast_cmd
+from support import oomcast_cmd
 
 from oomcast.collectors.agent import NodeAgent
-from oomcast.collectors.cgroupfs import CgroupUnavailable, MemoryCgroup, default_root
+from oomcast.collectors.cgroupfs import MemoryCgroup
 from oomcast.collectors.publisher import StreamPublisher
 from oomcast.collectors.sources.cgroup import CgroupSource
 from oomcast.model.trace import load_trace
@@ -32,15 +32,8 @@ LIMIT = 640 * MIB
 
 
 @pytest.fixture
-def job_cgroup() -> Iterator[MemoryCgroup]:
-    try:
-        cg = MemoryCgroup.create(default_root(), f"oomcast-leaky-{os.getpid()}", LIMIT)
-    except CgroupUnavailable as exc:
-        pytest.skip(f"no writable memory cgroup here: {exc}")
-    try:
-        yield cg
-    finally:
-        cg.remove()
+def job_cgroup(make_cgroup: Any) -> MemoryCgroup:
+    return make_cgroup("oomcast-leaky", LIMIT)
 
 
 def trainer_cmd(*args: str) -> list[str]:

@@ -12,7 +12,6 @@ import pytest
 
 from oomcast.model.schema import Sample
 from oomcast.model.trace import load_trace
-from oomcast.training import cgroup_recorder as cr
 from oomcast.training import record_corpus as rc
 from oomcast.training.programs import CAUSES, GROWTH_CAUSES, PROGRAMS
 
@@ -78,12 +77,9 @@ def test_a_sudden_cause_gets_a_limit_between_the_level_before_onset_and_the_spik
 
 
 @pytest.mark.slow
-def test_one_config_is_recorded_roomy_first_under_a_real_cgroup(tmp_path: Path) -> None:
-    try:
-        probe = f"oomcast-probe-{id(tmp_path)}"
-        cr.MemoryCgroup.create(cr.default_root(), probe, 64 * MIB).remove()
-    except cr.CgroupUnavailable as exc:
-        pytest.skip(f"no writable memory cgroup here: {exc}")
+def test_one_config_is_recorded_roomy_first_under_a_real_cgroup(
+    tmp_path: Path, cgroup_root: Path
+) -> None:
     cfg = rc.Config(
         index=0, program="mlp_tabular", cause="leak",
         knobs={"steps": 40, "duration_s": 4.0, "batch": 256, "width": 256, "every": 1,

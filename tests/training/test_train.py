@@ -11,8 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import oomcast_cmd
-from support import leak_trace, steady_trace, write
+from support import leak_trace, oomcast_cmd, steady_trace, write
 from torch.nn.functional import binary_cross_entropy
 
 from oomcast.model.embedding import EMBEDDING_VERSION

@@ -26,9 +26,7 @@ agent verifies with it.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import hmac
 import json
 import math
 import secrets
@@ -39,8 +37,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from oomcast.model.signing import sign, verify
+
 ACTIONS = ("checkpoint", "shed")
-SIG_PREFIX = "sha256="
 DEFAULT_TTL_S = 30.0
 MAX_VALIDITY_S = 600.0  # expires_at - issued_at may not exceed this
 DEFAULT_MAX_SKEW_S = 30.0
@@ -125,19 +124,13 @@ class Command:
 # --- signing --------------------------------------------------------------------------------
 
 
-def _key(secret: str) -> bytes:
-    if not isinstance(secret, str) or not secret:
-        raise ValueError("the control secret must be a non-empty string")
-    return secret.encode()
-
-
 def canonical_json(obj: Any) -> str:
     """Sorted keys, no spaces, no NaN/Infinity (not JSON): the bytes that get signed."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
 def signature(data: bytes, secret: str) -> str:
-    return SIG_PREFIX + hmac.new(_key(secret), data, hashlib.sha256).hexdigest()
+    return sign(data, secret)
 
 
 def sign_command(cmd: Mapping[str, Any], secret: str) -> dict[str, str]:
@@ -354,7 +347,8 @@ def verify_command(
     """Authenticate and check one control-stream entry; return its command, or raise
     CommandRejected. The signature is checked before anything is parsed, and the nonce is
     recorded last, only when the command is accepted."""
-    key = _key(secret)
+    if not isinstance(secret, str) or not secret:
+        raise ValueError("the control secret must be a non-empty string")
     sig = _raw_field(fields, "sig")
     if sig is None:
         raise CommandRejected("unsigned", "entry has no 'sig' field")
@@ -363,8 +357,7 @@ def verify_command(
         raise CommandRejected("malformed", "entry has no 'cmd' field")
     if len(raw) > MAX_CMD_BYTES:
         raise CommandRejected("malformed", f"cmd is larger than {MAX_CMD_BYTES} bytes")
-    expected = (SIG_PREFIX + hmac.new(key, raw, hashlib.sha256).hexdigest()).encode()
-    if not hmac.compare_digest(expected, sig):
+    if not verify(raw, sig, secret):
         raise CommandRejected("bad_signature", "the signature does not match the command")
 
     try:

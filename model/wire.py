@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,14 +26,36 @@ from oomcast.model.schema import (
 )
 
 ENTRY_VERSION = "1"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"  # every process's default; OOMCAST_REDIS_URL
+DEFAULT_KEY_PREFIX = "oomcast"
+DEFAULT_PARTITIONS = 4
+
+
+def redis_url_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """``OOMCAST_REDIS_URL``, or the default (a local Redis, database 0)."""
+    env = os.environ if environ is None else environ
+    return env.get("OOMCAST_REDIS_URL") or DEFAULT_REDIS_URL
 
 
 @dataclass(frozen=True)
 class Keys:
     """Every Redis key oomcast uses, under one prefix (tests use their own)."""
 
-    prefix: str = "oomcast"
-    partitions: int = 4
+    prefix: str = DEFAULT_KEY_PREFIX
+    partitions: int = DEFAULT_PARTITIONS
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Keys:
+        """The layout ``OOMCAST_KEY_PREFIX`` and ``OOMCAST_PARTITIONS`` name (every process of
+        one deployment must agree on both); ValueError, naming the variable, when malformed."""
+        env = os.environ if environ is None else environ
+        prefix = env.get("OOMCAST_KEY_PREFIX") or DEFAULT_KEY_PREFIX
+        raw = env.get("OOMCAST_PARTITIONS") or str(DEFAULT_PARTITIONS)
+        try:
+            partitions = int(raw)
+        except ValueError:
+            raise ValueError(f"OOMCAST_PARTITIONS={raw!r} is not a whole number") from None
+        return cls(prefix, partitions)
 
     def __post_init__(self) -> None:
         if self.partitions < 1:

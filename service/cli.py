@@ -14,8 +14,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from oomcast.model.wire import redis_url_from_env
+
 PROG = "oomcast"
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 CORPUS_TRACES = Path(__file__).resolve().parents[1] / "training" / "traces" / "corpus"
 HOST_TRACES = Path(__file__).resolve().parents[1] / "training" / "traces" / "host"
 
@@ -37,7 +38,10 @@ def _env_int(name: str, default: int) -> int:
 def _keys_from_env() -> Any:
     from oomcast.model.wire import Keys
 
-    return Keys(os.environ.get("OOMCAST_KEY_PREFIX", "oomcast"), _env_int("OOMCAST_PARTITIONS", 4))
+    try:
+        return Keys.from_env()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _stop_on_signals() -> threading.Event:
@@ -177,7 +181,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from oomcast.collectors.publisher import StreamPublisher
 
     sources = _build_sources(args)
-    url = args.redis_url or os.environ.get("OOMCAST_REDIS_URL") or DEFAULT_REDIS_URL
+    url = args.redis_url or redis_url_from_env()
     client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=2.0)
     publisher = StreamPublisher(
         client,
@@ -278,7 +282,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
     from oomcast.training.from_redis import dump_trace
 
-    url = args.redis_url or os.environ.get("OOMCAST_REDIS_URL") or DEFAULT_REDIS_URL
+    url = args.redis_url or redis_url_from_env()
     client = redis.Redis.from_url(url, socket_connect_timeout=2.0)
     try:
         result = dump_trace(
@@ -455,7 +459,7 @@ def cmd_card(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    url = args.redis_url or os.environ.get("OOMCAST_REDIS_URL") or DEFAULT_REDIS_URL
+    url = args.redis_url or redis_url_from_env()
     result: dict[str, Any]
     if args.what == "inference":
         from oomcast.service.bench import bench_inference

@@ -38,6 +38,7 @@ import redis
 import uvicorn
 
 from oomcast.collectors.sources.sim import OOM_PATTERNS
+from oomcast.model.wire import DEFAULT_REDIS_URL
 from oomcast.service.main import create_app
 from oomcast.service.settings import Settings
 from oomcast.service.webhook import SIGNATURE_HEADER, verify_signature
@@ -82,7 +83,7 @@ def redis_for_demo(say: Any, private: bool = False) -> Iterator[str]:
         say(f"Redis: {url} (from OOMCAST_REDIS_URL)")
         yield url
         return
-    url = "redis://127.0.0.1:6379/0"
+    url = DEFAULT_REDIS_URL
     if not private and _answers(url):
         say(f"Redis: {url} (found running)")
         yield url

@@ -10,6 +10,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from oomcast.model.forecast import HORIZONS_S
+from oomcast.model.wire import DEFAULT_KEY_PREFIX, DEFAULT_PARTITIONS, DEFAULT_REDIS_URL
 
 
 def _default_consumer() -> str:
@@ -41,9 +42,9 @@ def parse_partition_set(text: str, partitions: int) -> list[int]:
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="OOMCAST_", extra="ignore")
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "oomcast"
-    partitions: int = Field(4, ge=1, le=1024)
+    redis_url: str = DEFAULT_REDIS_URL
+    key_prefix: str = DEFAULT_KEY_PREFIX
+    partitions: int = Field(DEFAULT_PARTITIONS, ge=1, le=1024)
     # Which partitions this replica reads, e.g. "0-1" or "0,2"; empty means all. Replicas
     # that split the work own disjoint sets covering 0..partitions-1.
     partitions_owned: str = ""

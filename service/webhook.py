@@ -4,23 +4,22 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 from collections.abc import Callable
 from typing import Any
 
+from oomcast.model.signing import sign, verify
 from oomcast.service.delivery import OrderedSender
 
 SIGNATURE_HEADER = "X-Oomcast-Signature"
 
 
 def sign_body(body: bytes, secret: str) -> str:
-    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+    return sign(body, secret)
 
 
 def verify_signature(body: bytes, header: str | None, secret: str) -> bool:
-    return header is not None and hmac.compare_digest(sign_body(body, secret), header)
+    return verify(body, header, secret)
 
 
 class WebhookSender(OrderedSender):

@@ -1,0 +1,29 @@
+"""HMAC-SHA256 signing, the one place oomcast signs or checks bytes: the commands the service
+sends to node agents (``model/control.py``) and the webhook bodies it posts
+(``service/webhook.py``). A signature reads ``sha256=<hex digest>``."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+SIG_PREFIX = "sha256="
+
+
+def _key(secret: str) -> bytes:
+    if not isinstance(secret, str) or not secret:
+        raise ValueError("a signing secret must be a non-empty string")
+    return secret.encode()
+
+
+def sign(data: bytes, secret: str) -> str:
+    """``sha256=<hex>`` of ``data`` under ``secret``; ValueError for an empty secret."""
+    return SIG_PREFIX + hmac.new(_key(secret), data, hashlib.sha256).hexdigest()
+
+
+def verify(data: bytes, signature: str | bytes | None, secret: str) -> bool:
+    """Whether ``signature`` is ``data``'s under ``secret`` (compared in constant time)."""
+    if signature is None:
+        return False
+    given = signature.encode() if isinstance(signature, str) else bytes(signature)
+    return hmac.compare_digest(sign(data, secret).encode(), given)

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from oomcast.collectors.procinfo import own_cgroup_path
 from oomcast.model.schema import Sample
 
 V1_MOUNT = Path("/sys/fs/cgroup/memory")
@@ -108,18 +109,6 @@ def detect_version(root: Path | str) -> int:
             )
         return 2
     raise CgroupUnavailable(f"{root} is neither a cgroup v1 memory nor a cgroup v2 directory")
-
-
-def own_cgroup_path(proc_self_cgroup: Path = Path("/proc/self/cgroup")) -> dict[str, str]:
-    """This process's cgroup per hierarchy: ``{"memory": "/a/b", "": "/c"}`` ("" = v2)."""
-    out: dict[str, str] = {}
-    with contextlib.suppress(OSError):
-        for line in proc_self_cgroup.read_text().splitlines():
-            parts = line.split(":", 2)
-            if len(parts) == 3:
-                for ctrl in parts[1].split(","):
-                    out[ctrl] = parts[2]
-    return out
 
 
 def default_root() -> Path:

@@ -27,26 +27,18 @@ Every outcome becomes an event on the events stream, encoded as every event is (
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis
 
-from oomcast.collectors.actions import (
-    OUTCOMES,
-    ActionResult,
-    Candidate,
-    Executor,
-    as_candidate,
-    cgroup_candidates,
-)
-from oomcast.collectors.procinfo import ProcResolver
+from oomcast.collectors.actiontypes import OUTCOMES, ActionResult, Executor, as_candidate
+from oomcast.collectors.domain import Resolve, make_resolve
+from oomcast.collectors.streams import entries_of, last_id, stream_fields
 from oomcast.model.control import (
     DEFAULT_MAX_SKEW_S,
     REASONS,
@@ -56,7 +48,8 @@ from oomcast.model.control import (
     unverified_id,
     verify_command,
 )
-from oomcast.model.wire import ENTRY_VERSION, Keys
+from oomcast.model.events import DetailedEvent
+from oomcast.model.wire import Keys, encode_event
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +59,12 @@ REFUSED_DEVICE = "control"  # the device of a refusal whose command could not be
 LISTENER_REASONS = ("disabled",)  # refusals of the listener itself (besides "busy")
 
 MetricSample = tuple[str, str, str, dict[str, str], float]
-Resolve = Callable[[Command], Sequence[Any]]
 
 
 def encode_control_event(obj: Mapping[str, Any]) -> dict[str, str]:
-    """Stream fields of an event dict with extra keys (as :func:`wire.encode_event`)."""
-    return {"v": ENTRY_VERSION, "event": json.dumps(obj, separators=(",", ":"), default=str)}
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    """Stream fields of an event dict with extra keys: :func:`wire.encode_event` of its
+    :class:`~oomcast.model.events.DetailedEvent` (values JSON cannot carry become strings)."""
+    return encode_event(DetailedEvent.from_dict(obj))
 
 
 class ControlStats:
@@ -197,8 +186,7 @@ class ControlListener:
         return not self.running
 
     def _last_id(self) -> str:
-        entries = self.client.xrevrange(self.stream, count=1)
-        return _text(entries[0][0]) if entries else "0-0"
+        return last_id(self.client, self.stream)
 
     def _run(self) -> None:
         backoff = 0.0
@@ -215,13 +203,12 @@ class ControlListener:
                     log.warning("control: reading %s failed (%s)", self.stream, exc)
                 self._stop.wait(backoff)
                 continue
-            for _stream, entries in resp or []:
-                for entry_id, fields in entries:
-                    self._cursor = _text(entry_id)
-                    try:
-                        self.handle_entry(self._cursor, fields)
-                    except Exception:  # the reader must outlive anything
-                        log.exception("control: entry %s could not be handled", self._cursor)
+            for entry_id, fields in entries_of(resp):
+                self._cursor = entry_id
+                try:
+                    self.handle_entry(entry_id, fields)
+                except Exception:  # the reader must outlive anything
+                    log.exception("control: entry %s could not be handled", entry_id)
 
     # --- one entry ----------------------------------------------------------------------------
 
@@ -401,7 +388,7 @@ class ControlListener:
             else:
                 self.client.xadd(
                     self.keys.events,
-                    encode_control_event(obj),
+                    stream_fields(encode_control_event(obj)),
                     maxlen=self.events_maxlen,
                     approximate=True,
                 )
@@ -484,50 +471,12 @@ class ControlListener:
         return out
 
 
-# --- what a command's domain holds ------------------------------------------------------------
-
-
-def make_resolve(
-    *,
-    nvml: Any | None = None,
-    cgroup_root: Path | str | None = None,
-    procs: ProcResolver | None = None,
-    proc_root: Path | str = "/proc",
-) -> Resolve:
-    """The ``resolve`` of a node agent: a GPU domain's processes from the NVML source's
-    latest poll (for a checkpoint, the job's processes on every GPU of the node, since all
-    its ranks must save); a ``cgroup:<path>`` domain's processes from ``cgroup.procs`` under
-    ``cgroup_root``, with their resident memory."""
-    resolver = procs if procs is not None else ProcResolver(proc_root)
-
-    def resolve(cmd: Command) -> list[Candidate]:
-        if cmd.device.startswith("cgroup:"):
-            if cgroup_root is None:
-                return []
-            rel = cmd.device[len("cgroup:") :].strip("/")
-            if ".." in Path(rel).parts:
-                return []
-            return cgroup_candidates(Path(cgroup_root) / rel, resolver, proc_root)
-        if nvml is None:
-            return []
-        out = [as_candidate(p) for p in nvml.processes(cmd.device)]
-        if cmd.action == "checkpoint" and cmd.job is not None:
-            seen = {c.pid for c in out}
-            for device in nvml.devices():
-                for p in nvml.processes(device):
-                    if p.job == cmd.job and p.pid not in seen:
-                        seen.add(p.pid)
-                        out.append(as_candidate(p))
-        return out
-
-    return resolve
-
-
 __all__ = [
     "ACTION_RESULT",
     "COMMAND_REFUSED",
     "ControlListener",
     "ControlStats",
+    "Resolve",
     "encode_control_event",
     "make_resolve",
 ]

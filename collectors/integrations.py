@@ -63,7 +63,7 @@ def any_rank(flag: bool) -> bool:
     than one rank (or without torch loaded) it is ``flag``, and no collective is made."""
     torch = sys.modules.get("torch")
     dist = getattr(torch, "distributed", None) if torch is not None else None
-    if dist is None or not dist.is_available() or not dist.is_initialized():
+    if torch is None or dist is None or not dist.is_available() or not dist.is_initialized():
         return flag
     if dist.get_world_size() <= 1:
         return flag

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import redis
 
+from oomcast.collectors.streams import stream_fields
+
 log = logging.getLogger(__name__)
 
 
@@ -81,7 +83,9 @@ class StreamPublisher:
             try:
                 pipe = self.client.pipeline(transaction=False)
                 for e in batch:
-                    pipe.xadd(e.stream, e.fields, maxlen=self.maxlen, approximate=True)
+                    pipe.xadd(
+                        e.stream, stream_fields(e.fields), maxlen=self.maxlen, approximate=True
+                    )
                 pipe.execute()
             except redis.RedisError as exc:
                 # Connection loss, but also a full (maxmemory) or read-only (failover) Redis:

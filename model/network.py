@@ -51,6 +51,13 @@ class NetConfig:
 
 
 class OOMForecastNet(nn.Module):
+    # buffers (register_buffer): declared so that they type as tensors, not as whatever
+    # nn.Module.__getattr__ may return
+    x_mean: torch.Tensor
+    x_scale: torch.Tensor
+    cal_a: torch.Tensor
+    cal_b: torch.Tensor
+
     def __init__(self, cfg: NetConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -155,7 +162,8 @@ def fit_calibration(
         alpha = torch.zeros((), requires_grad=True)
         b = torch.zeros((), requires_grad=True)
         opt = torch.optim.LBFGS([alpha, b], max_iter=200, line_search_fn="strong_wolfe")
-        opt.step(partial(_platt_closure, opt, alpha, b, zk, yk))
+        # torch's LBFGS.step is not annotated (its stubs leave it untyped)
+        opt.step(partial(_platt_closure, opt, alpha, b, zk, yk))  # type: ignore[no-untyped-call]
         with torch.no_grad():
             a_fit = float(torch.exp(alpha.clamp(-4.0, 3.0)))
             b_fit = float(b.clamp(-20.0, 20.0))
@@ -175,7 +183,7 @@ def _platt_closure(
 ) -> torch.Tensor:
     opt.zero_grad()
     loss = nn.functional.binary_cross_entropy_with_logits(torch.exp(alpha) * z + b, y)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]  # torch: backward() is unannotated
     return loss
 
 

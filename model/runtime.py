@@ -150,10 +150,10 @@ class OnnxForecaster:
             self._h[:, idx] = h
             self._c[:, idx] = c
         elif any(due):
-            rows = np.flatnonzero(due)
-            sel = np.asarray(idx)[rows] if n > 1 else np.asarray([states[0].index])
-            self._h[:, sel] = h[:, rows]
-            self._c[:, sel] = c[:, rows]
+            due_rows = np.flatnonzero(due)
+            sel = np.asarray(idx)[due_rows] if n > 1 else np.asarray([states[0].index])
+            self._h[:, sel] = h[:, due_rows]
+            self._c[:, sel] = c[:, due_rows]
         for st, s, d in zip(states, samples, due, strict=True):
             if d:
                 st.tick_ts = s.ts
@@ -191,4 +191,5 @@ class OnnxForecaster:
 
     @property
     def metadata_features(self) -> list[str]:
-        return json.loads(self.metadata["oomcast.features"])
+        features: list[str] = json.loads(self.metadata["oomcast.features"])
+        return features

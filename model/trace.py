@@ -44,7 +44,7 @@ def _open_text(path: Path, mode: str) -> IO[str]:
     return open(path, mode, encoding="utf-8")
 
 
-def _open_lines(path: Path) -> IO[bytes]:
+def _open_lines(path: Path) -> gzip.GzipFile | io.BufferedReader:
     # Bytes, decoded line by line: a text wrapper reads ahead and would blame a bad byte
     # on an earlier line.
     return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")

@@ -25,10 +25,10 @@ import logging
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from oomcast.service.delivery import OrderedSender
 
@@ -47,7 +47,7 @@ def rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="milliseconds")[:-6] + "Z"
 
 
-def alert_key(payload: dict[str, Any]) -> AlertKey:
+def alert_key(payload: Mapping[str, Any]) -> AlertKey:
     return (
         str(payload.get("node") or ""),
         str(payload.get("device") or ""),
@@ -55,7 +55,7 @@ def alert_key(payload: dict[str, Any]) -> AlertKey:
     )
 
 
-def labels_for(payload: dict[str, Any]) -> dict[str, str]:
+def labels_for(payload: Mapping[str, Any]) -> dict[str, str]:
     node, device, alertname = alert_key(payload)
     labels = {
         "alertname": alertname,
@@ -77,7 +77,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def _risks(payload: dict[str, Any]) -> list[tuple[float, float]]:
+def _risks(payload: Mapping[str, Any]) -> list[tuple[float, float]]:
     out = []
     for h, p in (payload.get("risk") or {}).items():
         with contextlib.suppress(TypeError, ValueError):
@@ -85,7 +85,7 @@ def _risks(payload: dict[str, Any]) -> list[tuple[float, float]]:
     return sorted(out)
 
 
-def _headline_risk(payload: dict[str, Any]) -> tuple[float, float] | None:
+def _headline_risk(payload: Mapping[str, Any]) -> tuple[float, float] | None:
     """The (horizon, risk) to quote: the rule's horizon when the payload or its rule text
     names one, else the shortest horizon that covers the time to OOM, else the riskiest."""
     risks = _risks(payload)
@@ -108,7 +108,7 @@ def _headline_risk(payload: dict[str, Any]) -> tuple[float, float] | None:
     return max(risks, key=lambda hp: (hp[1], -hp[0]))
 
 
-def annotations_for(payload: dict[str, Any]) -> dict[str, str]:
+def annotations_for(payload: Mapping[str, Any]) -> dict[str, str]:
     node, device = payload.get("node"), payload.get("device")
     tto = payload.get("time_to_oom_s")
     headline = _headline_risk(payload)
@@ -147,14 +147,14 @@ def annotations_for(payload: dict[str, Any]) -> dict[str, str]:
 @dataclass(slots=True)
 class _Delivery:
     key: AlertKey
-    payload: dict[str, Any]
+    payload: Mapping[str, Any]
     starts_at: float
     ends_at: float | None  # None: firing, endsAt is set when each attempt is made
 
 
 @dataclass(slots=True)
 class _Firing:
-    payload: dict[str, Any]
+    payload: Mapping[str, Any]
     starts_at: float
     due: float  # time.monotonic() of the next re-send
 
@@ -200,7 +200,7 @@ class AlertmanagerSender(OrderedSender):
         """The alerts being kept alive by re-sends."""
         return list(self._firing)
 
-    def submit(self, payload: dict[str, Any]) -> bool:
+    def submit(self, payload: Mapping[str, Any]) -> bool:
         """Queue a firing or resolved alert; never waits. False if it was not queued."""
         status = payload.get("status")
         key = alert_key(payload)
@@ -229,9 +229,10 @@ class AlertmanagerSender(OrderedSender):
         return True
 
     def _finished(self, key: Hashable) -> None:
-        self._pending[key] -= 1  # type: ignore[index]
-        if self._pending[key] <= 0:  # type: ignore[index]
-            del self._pending[key]  # type: ignore[arg-type]
+        alert = cast(AlertKey, key)  # this sender queues by AlertKey
+        self._pending[alert] -= 1
+        if self._pending[alert] <= 0:
+            del self._pending[alert]
 
     async def start(self) -> None:
         await super().start()

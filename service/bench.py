@@ -7,11 +7,8 @@ in the service; then times the stateless window forecast of ``POST /v1/predict``
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -23,25 +20,6 @@ from oomcast.model.runtime import DEFAULT_MODEL, OnnxForecaster
 from oomcast.model.schema import Sample
 
 GIB = 1 << 30
-
-
-def _model(path: str | None) -> tuple[Path, str]:
-    if path:
-        return Path(path), "given"
-    if DEFAULT_MODEL.is_file():
-        return DEFAULT_MODEL, "shipped"
-    # Speed does not depend on the weights: export an untrained network of the same shape.
-    import torch
-
-    from oomcast.model.network import NetConfig, OOMForecastNet
-    from oomcast.training.export import export
-    from oomcast.training.train import Rule, save_checkpoint
-
-    tmp = Path(tempfile.mkdtemp(prefix="oomcast-bench-"))
-    atexit.register(shutil.rmtree, tmp, True)
-    torch.manual_seed(0)
-    save_checkpoint(tmp / "c.pt", OOMForecastNet(NetConfig()), Rule(60, 0.5, 0, 0, 0))
-    return export(tmp / "c.pt", tmp / "bench.onnx", version="bench-untrained"), "untrained"
 
 
 def _samples(n: int, t: int) -> list[Sample]:
@@ -64,25 +42,29 @@ def _samples(n: int, t: int) -> list[Sample]:
 
 
 def bench_inference(
-    model: str | None = None,
+    model: str | Path | None = None,
     seconds: float = 2.0,
     sizes: tuple[int, ...] = (1, 100, 5000),
     window_runs: int = 100,
+    weights: str | None = None,
 ) -> dict[str, Any]:
+    """Time the forecaster ``model`` (default: the shipped one; ``oomcast bench`` exports an
+    untrained one when none is shipped); ``weights`` says which it is, for the report."""
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     if cores:
         os.sched_setaffinity(0, {min(cores)})  # one core
     try:
-        return _bench(model, seconds, sizes, window_runs)
+        path = Path(model) if model else DEFAULT_MODEL
+        kind = weights or ("given" if model else "shipped")
+        return _bench(path, kind, seconds, sizes, window_runs)
     finally:
         if cores:
             os.sched_setaffinity(0, cores)
 
 
 def _bench(
-    model: str | None, seconds: float, sizes: tuple[int, ...], window_runs: int
+    path: Path, weights: str, seconds: float, sizes: tuple[int, ...], window_runs: int
 ) -> dict[str, Any]:
-    path, weights = _model(model)
     fc = OnnxForecaster(path, providers=["CPUExecutionProvider"], threads=1)
     out: dict[str, Any] = {
         "model": str(path),
@@ -93,7 +75,7 @@ def _bench(
     for n in sizes:
         states = [fc.init_state() for _ in range(n)]
         steps = [_samples(n, t) for t in range(4)]
-        embs = []
+        embs: list[list[list[float] | None]] = []
         for batch in steps:
             e = [EmbeddingState() for _ in range(n)]
             embs.append([e[i].embed(s) for i, s in enumerate(batch)])

@@ -1,6 +1,7 @@
 """What webhooks and Alertmanager pushes share: deliveries off the ingest path.
 
-``_put`` never waits: a full queue drops the item, counts the drop and says so. Deliveries
+Items are queued as they are and never changed afterwards. ``_put`` never waits: a full
+queue drops the item, counts the drop and says so (``has_room`` tells beforehand). Deliveries
 run as background tasks, at most 32 at once, concurrently across keys but in order within
 one key (a retried "firing" never lands after its "resolved"). Each delivery is an HTTP POST
 retried with exponential backoff up to a cap on connection errors, 5xx, 408 and 429, and not
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -55,6 +57,10 @@ class OrderedSender:
         """Called when a delivery of ``key`` is over, however it ended."""
 
     # -- the queue --------------------------------------------------------------------------
+    def has_room(self) -> bool:
+        """Whether the next ``submit`` will be queued (it never waits)."""
+        return not self._queue.full()
+
     def _put(self, key: Hashable, item: Any, describe: str) -> bool:
         try:
             self._queue.put_nowait((key, item))
@@ -90,7 +96,7 @@ class OrderedSender:
             task = asyncio.create_task(self._after(self._last_of_key.get(key), item))
             self._last_of_key[key] = task
             self._inflight.add(task)
-            task.add_done_callback(lambda t, k=key: self._done(t, k))
+            task.add_done_callback(functools.partial(self._done, key=key))
 
     async def _after(self, before: asyncio.Task[None] | None, item: Any) -> None:
         if before is not None:

@@ -12,8 +12,8 @@ import logging
 from dataclasses import dataclass
 
 from oomcast.model.baselines import baseline_by_name
-from oomcast.model.forecast import AlertRule, Detector
-from oomcast.service.alerts import AlertPolicy
+from oomcast.model.forecast import Detector
+from oomcast.service.rules import AlertPolicy
 from oomcast.service.settings import Settings
 
 log = logging.getLogger("oomcast.service")
@@ -69,4 +69,4 @@ def alert_policy(settings: Settings, choice: Choice) -> AlertPolicy:
             fire_after = choice.detector.rule.fire_after  # as validated
         if "alert_resolve_risk" not in chosen:
             resolve = round(fire / 2, 4)
-    return AlertPolicy(AlertRule(horizon, fire), resolve, fire_after, settings.alert_resolve_after)
+    return AlertPolicy(horizon, fire, resolve, fire_after, settings.alert_resolve_after)

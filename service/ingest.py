@@ -1,10 +1,20 @@
-"""The stream consumer: read sample and event streams as a consumer group, forecast, ack.
+"""The stream consumer: read sample and event streams as a consumer group, and run each
+batch of entries down one pipeline, top to bottom (``Ingestor.process``):
 
-Order of work for each batch: decode, forecast, queue webhooks, record alerts and dead
-letters, then ``XACK``. An entry is acknowledged only after its samples have been forecast
-and its alerts recorded, so a crash loses nothing: on restart the service first re-reads
-its own pending entries (``XREADGROUP`` from id 0), and periodically claims entries that
-another, dead, consumer left pending for longer than ``claim_idle_ms`` (``XAUTOCLAIM``).
+1. **decode** the entries (``decode_sample_entries`` / ``decode_event_entries``) into
+   samples or events, and dead letters for what cannot be read;
+2. **forecast and evaluate rules**: ``LiveState.apply`` forecasts each round of samples and
+   runs every rule on each forecast (``service/rules.py`` decides), giving ``Alert``s;
+3. **dispatch** each alert (``Dispatcher.dispatch``): its audit record and node commands;
+   webhooks and Alertmanager get the finished record, queued, never waited on;
+4. **commit** the audit records and dead letters, then the node commands, to Redis;
+5. **acknowledge** the entries (``XACK``), only once their effects are on record.
+
+So a crash loses nothing: on restart the service first re-reads its own pending entries
+(``XREADGROUP`` from id 0), and periodically claims entries that another, dead, consumer
+left pending for longer than ``claim_idle_ms`` (``XAUTOCLAIM``). Records and commands that
+could not be written are kept (``Commit``) and written with the next batch, so a Redis blip
+does not leave the audit stream short of an alert already sent.
 
 A replica owns a set of partitions (all by default); several replicas split the nodes by
 owning disjoint sets, so each domain's state lives on exactly one replica. Every replica
@@ -13,8 +23,7 @@ the nodes it owns.
 
 A malformed entry goes to the dead-letter stream with the reason and is acknowledged;
 ingest carries on. Lost connections are retried with backoff; the loop never exits on its
-own. Alerts whose audit record could not be written are kept and written with the next
-batch, so a Redis blip does not leave the audit stream short of an alert already sent.
+own.
 """
 
 from __future__ import annotations
@@ -24,22 +33,27 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from oomcast.model.schema import Sample, SchemaError
+from oomcast.model.schema import Event, Sample, SchemaError
 from oomcast.model.wire import DecodedSample, Keys, decode_event, decode_samples
+from oomcast.service.actions import Dispatched, NodeCommand
 from oomcast.service.metrics import Metrics
-from oomcast.service.state import LiveState
+from oomcast.service.rules import Alert
+from oomcast.service.state import Embedding, LiveState
 
 log = logging.getLogger(__name__)
 
-StreamEntries = list[tuple[bytes, dict[bytes, bytes] | None]]
+Fields = Mapping[bytes | str, bytes | str]
+StreamEntries = Sequence[tuple[bytes | str, Fields | None]]
+DeadLetter = dict[str, bytes | str]
 # What the node agents and in-job hooks report about actions: kept in the audit stream, next to
 # the alerts that caused them, so /v1/alerts tells the whole story of an episode.
 AUDITED_EVENTS = frozenset(
@@ -71,6 +85,92 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
+class AlertDispatcher(Protocol):
+    def dispatch(self, alert: Alert, now: float) -> Dispatched: ...
+
+
+@dataclass
+class Decoded:
+    """A batch of entries, read: samples (with the node's embeddings, where they match the
+    model's schema) or events, and dead letters for what could not be read."""
+
+    samples: list[Sample] = field(default_factory=list)
+    embeddings: list[Embedding] = field(default_factory=list)
+    arrived_ms: list[int] = field(default_factory=list)  # when Redis received each sample
+    events: list[tuple[Event, Fields]] = field(default_factory=list)
+    deadletters: list[DeadLetter] = field(default_factory=list)
+
+
+@dataclass
+class Evaluated:
+    """What forecasting a batch and running the rules on it gave."""
+
+    alerts: list[Alert] = field(default_factory=list)
+    audit_events: list[dict[str, Any]] = field(default_factory=list)
+    deadletters: list[DeadLetter] = field(default_factory=list)
+
+
+@dataclass
+class Commit:
+    """What must be on record before the batch is acknowledged: audit records (alerts and
+    audited events) and dead letters, then node commands."""
+
+    records: list[Mapping[str, Any]] = field(default_factory=list)
+    deadletters: list[DeadLetter] = field(default_factory=list)
+    commands: list[NodeCommand] = field(default_factory=list)
+
+
+def deadletter(stream: str, entry_id: bytes | str, fields: Fields, reason: str) -> DeadLetter:
+    log.warning("dead-lettered entry %s of %s: %s", _s(entry_id), stream, reason)
+    out: DeadLetter = {"stream": stream, "entry_id": _s(entry_id), "reason": reason}
+    for k, v in fields.items():
+        key = _s(k)
+        if key not in out:
+            out[f"orig.{key}"] = v  # what arrived, as it arrived: nothing accepted is lost
+    return out
+
+
+def decode_sample_entries(stream: str, entries: StreamEntries, emb_version: int | None) -> Decoded:
+    """Step 1 for a sample stream."""
+    out = Decoded()
+    for entry_id, fields in entries:
+        if fields is None:
+            continue  # trimmed away before we read it
+        try:
+            decoded = decode_samples(dict(fields))
+        except Exception as exc:  # any undecodable entry, not only the foreseen ones
+            out.deadletters.append(deadletter(stream, entry_id, fields, _reason(exc)))
+            continue
+        ms = int(_s(entry_id).split("-")[0])
+        for item in decoded:
+            if isinstance(item, DecodedSample):
+                out.samples.append(item.sample)
+                # the node's embedding when it speaks the model's schema, else recomputed
+                out.embeddings.append(item.emb if item.emb_v == emb_version else None)
+                out.arrived_ms.append(ms)
+            else:
+                out.deadletters.append(deadletter(stream, entry_id, fields, str(item)))
+    return out
+
+
+def decode_event_entries(
+    stream: str, entries: StreamEntries, keys: Keys, partitions: Sequence[int]
+) -> Decoded:
+    """Step 1 for the events stream: the events of the nodes this replica owns."""
+    out = Decoded()
+    for entry_id, fields in entries:
+        if fields is None:
+            continue
+        try:
+            event = decode_event(dict(fields))
+        except Exception as exc:  # any undecodable entry, not only the foreseen ones
+            out.deadletters.append(deadletter(stream, entry_id, fields, _reason(exc)))
+            continue
+        if keys.partition_of(event.node) in partitions:  # else another replica's node
+            out.events.append((event, fields))
+    return out
+
+
 class Ingestor:
     def __init__(
         self,
@@ -88,7 +188,7 @@ class Ingestor:
         alerts_maxlen: int = 10_000,
         deadletter_maxlen: int = 10_000,
         live_after_s: float = 600.0,
-        on_alert: Callable[[dict[str, Any]], None] | None = None,
+        dispatcher: AlertDispatcher,
     ) -> None:
         self.client = client
         self.keys = keys
@@ -105,16 +205,14 @@ class Ingestor:
         self.alerts_maxlen = alerts_maxlen
         self.deadletter_maxlen = deadletter_maxlen
         self.live_after_s = live_after_s
-        self.on_alert = on_alert or (lambda payload: None)
+        self.dispatcher = dispatcher
         self.sample_streams = [keys.samples(p) for p in self.partitions]
         # Events: one group per replica, so every replica sees the events of its own nodes.
         self.events_group = f"{group}:{consumer}"
         self.ready = asyncio.Event()  # set once groups exist and our own backlog is drained
         self.last_ok = 0.0  # monotonic time of the last Redis round trip that worked
-        self._audit_backlog: list[dict[str, Any]] = []
-        # Signed node commands the dispatcher made from this batch's alerts: written with
-        # the batch's audit records, before its ack.
-        self.outbox: list[tuple[str, dict[str, str]]] = []
+        # Records and commands not yet written (Redis failed): they go with the next batch.
+        self._unwritten = Commit()
         self._last_claim = 0.0
         self._last_expire = time.monotonic()
         self._stopping = False
@@ -164,7 +262,8 @@ class Ingestor:
             await self._claim_stale()
         if now - self._last_expire >= EXPIRE_EVERY_S:
             self._last_expire = now
-            await self._record(self.live.expire(time.time(), self.live_after_s), [], None, [])
+            expired = self.live.expire(time.time(), self.live_after_s)
+            await self.commit(self.dispatch(Evaluated(alerts=expired)))
         resp = await self.client.xreadgroup(
             self.group,
             self.consumer,
@@ -222,7 +321,7 @@ class Ingestor:
                 resp = await self.client.xreadgroup(
                     group, self.consumer, {stream: last}, count=self.read_count
                 )
-                entries = resp[0][1] if resp else []
+                entries: StreamEntries = cast(Any, resp)[0][1] if resp else []
                 if not entries:
                     break
                 self.metrics.claimed.inc(len(entries))
@@ -250,136 +349,112 @@ class Ingestor:
                     break
 
     async def process(self, stream: str, entries: StreamEntries) -> None:
-        """Forecast a batch of entries of one stream, record alerts and dead letters, ack."""
+        """One batch of entries of one stream, down the pipeline (see the module's doc)."""
         if not entries:
             return
         self.metrics.entries.labels(stream=stream).inc(len(entries))
-        deadletters: list[dict[str, Any]] = []
-        fired: list[dict[str, Any]] = []
         if stream == self.keys.events:
             group = self.events_group
-            for entry_id, fields in entries:
-                if fields is None:
-                    continue  # trimmed away before we read it
-                try:
-                    event = decode_event(fields)
-                except Exception as exc:  # any undecodable entry, not only the foreseen ones
-                    deadletters.append(self._deadletter(stream, entry_id, fields, _reason(exc)))
-                    continue
-                if self.keys.partition_of(event.node) not in self.partitions:
-                    continue  # another replica's node
-                self.metrics.events.labels(event=event.event).inc()
-                fired.extend(self.live.on_event(event))
-                if event.event in AUDITED_EVENTS:
-                    self._audit_backlog.append(_audit_record(event.event, fields))
+            decoded = decode_event_entries(stream, entries, self.keys, self.partitions)
+            evaluated = self.evaluate_events(decoded)
         else:
             group = self.group
-            samples, embs, arrived_ms = self._decode_samples(stream, entries, deadletters)
-            for start in range(0, len(samples), APPLY_CHUNK):
-                chunk = slice(start, start + APPLY_CHUNK)
-                applied = self.live.apply(samples[chunk], embeddings=embs[chunk])
-                self.metrics.samples.inc(len(applied.forecasts))
-                self.metrics.duplicates.inc(applied.duplicates)
-                self.metrics.late.inc(applied.late)
-                for sample, problem in applied.rejected:
-                    deadletters.append(
-                        {
-                            "stream": stream,
-                            "reason": str(problem),
-                            "sample": _dumps(sample.to_dict()),
-                        }
-                    )
-                fired.extend(applied.alerts)
-                if start + APPLY_CHUNK < len(samples):
-                    await asyncio.sleep(0)  # let HTTP requests in between big chunks
-            done_ms = time.time() * 1000
-            for ms in arrived_ms:
-                self.metrics.forecast_latency.observe(max(0.0, done_ms - ms) / 1000)
-        await self._record(fired, deadletters, stream, [entry_id for entry_id, _ in entries], group)
+            version = getattr(self.live.forecaster, "embedding_version", None)
+            decoded = decode_sample_entries(stream, entries, version)
+            evaluated = await self.forecast_and_evaluate(stream, decoded)
+        await self.commit(self.dispatch(evaluated))
+        await self.acknowledge(stream, group, [entry_id for entry_id, _ in entries])
 
-    def _decode_samples(
-        self, stream: str, entries: StreamEntries, deadletters: list[dict[str, Any]]
-    ) -> tuple[list[Sample], list[list[float] | None], list[int]]:
-        samples: list[Sample] = []
-        embs: list[list[float] | None] = []
-        arrived_ms: list[int] = []
-        version = getattr(self.live.forecaster, "embedding_version", None)
-        for entry_id, fields in entries:
-            if fields is None:
-                continue
-            try:
-                decoded = decode_samples(fields)
-            except Exception as exc:  # any undecodable entry, not only the foreseen ones
-                deadletters.append(self._deadletter(stream, entry_id, fields, _reason(exc)))
-                continue
-            ms = int(_s(entry_id).split("-")[0])
-            for item in decoded:
-                if isinstance(item, DecodedSample):
-                    samples.append(item.sample)
-                    # the node's embedding when it speaks the model's schema, else recomputed
-                    embs.append(item.emb if item.emb_v == version else None)
-                    arrived_ms.append(ms)
-                else:
-                    deadletters.append(self._deadletter(stream, entry_id, fields, str(item)))
-        return samples, embs, arrived_ms
+    def evaluate_events(self, decoded: Decoded) -> Evaluated:
+        """Step 2 for events: an OOM ends its domain's episodes; action reports are audited."""
+        out = Evaluated(deadletters=decoded.deadletters)
+        now = time.time()
+        for event, fields in decoded.events:
+            self.metrics.events.labels(event=event.event).inc()
+            out.alerts.extend(self.live.on_event(event, now))
+            if event.event in AUDITED_EVENTS:
+                out.audit_events.append(_audit_record(event.event, fields))
+        return out
 
-    async def _record(
-        self,
-        fired: list[dict[str, Any]],
-        deadletters: list[dict[str, Any]],
-        stream: str | None,
-        ids: list[bytes],
-        group: str | None = None,
-    ) -> None:
-        """Send webhooks, then write audit records and dead letters and ack in one round trip."""
-        # Webhooks first: they do not depend on Redis, and an alert must not wait on it.
-        for payload in fired:
-            self.metrics.alerts.labels(status=payload["status"]).inc()
-            try:
-                self.on_alert(payload)
-            except Exception:  # the audit record must be written all the same
-                log.exception("acting on an alert failed")
-        self._audit_backlog.extend(fired)
-        if self._audit_backlog or deadletters:
+    async def forecast_and_evaluate(self, stream: str, decoded: Decoded) -> Evaluated:
+        """Step 2 for samples: forecast, and run the rules on each forecast."""
+        out = Evaluated(deadletters=decoded.deadletters)
+        samples, embs = decoded.samples, decoded.embeddings
+        for start in range(0, len(samples), APPLY_CHUNK):
+            chunk = slice(start, start + APPLY_CHUNK)
+            applied = self.live.apply(samples[chunk], time.time(), embs[chunk])
+            self.metrics.samples.inc(len(applied.forecasts))
+            self.metrics.duplicates.inc(applied.duplicates)
+            self.metrics.late.inc(applied.late)
+            for sample, problem in applied.rejected:
+                out.deadletters.append(
+                    {"stream": stream, "reason": str(problem), "sample": _dumps(sample.to_dict())}
+                )
+            out.alerts.extend(applied.alerts)
+            if start + APPLY_CHUNK < len(samples):
+                await asyncio.sleep(0)  # let HTTP requests in between big chunks
+        done_ms = time.time() * 1000
+        for ms in decoded.arrived_ms:
+            self.metrics.forecast_latency.observe(max(0.0, done_ms - ms) / 1000)
+        return out
+
+    def dispatch(self, evaluated: Evaluated) -> Commit:
+        """Step 3: act on each alert; what must then be on record, in order."""
+        out = Commit(records=list(evaluated.audit_events), deadletters=evaluated.deadletters)
+        now = time.time()
+        for alert in evaluated.alerts:
+            self.metrics.alerts.labels(status=alert.status).inc()
+            done = self.dispatcher.dispatch(alert, now)
+            out.records.append(done.record)
+            out.commands.extend(done.commands)
+        return out
+
+    async def commit(self, batch: Commit) -> None:
+        """Step 4: audit records and dead letters, then node commands, each in one round trip.
+        What cannot be written now (Redis failed: this raises) is kept for the next batch;
+        dead letters are not: their entries stay unacknowledged and are read again."""
+        self._unwritten.records.extend(batch.records)
+        self._unwritten.commands.extend(batch.commands)
+        records, commands = self._unwritten.records, self._unwritten.commands
+        if records or batch.deadletters:
             # Records first, in their own round trip: a pipeline runs every command even when
-            # one fails, and the ack must not go through unless the records did.
+            # one fails, and neither the commands nor the ack may go unless the records did.
             pipe = self.client.pipeline(transaction=False)
-            for payload in self._audit_backlog:
+            for record in records:
                 pipe.xadd(
                     self.keys.alerts,
-                    {"alert": _dumps(payload)},
+                    {"alert": _dumps(record)},
                     maxlen=self.alerts_maxlen,
                     approximate=True,
                 )
-            for dl in deadletters:
-                pipe.xadd(self.keys.deadletter, dl, maxlen=self.deadletter_maxlen, approximate=True)
+            for dl in batch.deadletters:
+                pipe.xadd(
+                    self.keys.deadletter,
+                    cast(Any, dl),
+                    maxlen=self.deadletter_maxlen,
+                    approximate=True,
+                )
             await pipe.execute()
-            self._audit_backlog.clear()
-            self.metrics.deadletters.inc(len(deadletters))
-        if self.outbox:
-            # Node commands only once their alerts are on record. A command whose write
-            # fails stays queued and goes with the next batch, within its expiry.
+            records.clear()
+            self.metrics.deadletters.inc(len(batch.deadletters))
+        if commands:
+            # Node commands only once their alerts are on record; a command whose write
+            # fails goes with the next batch, within its expiry.
             pipe = self.client.pipeline(transaction=False)
-            for control_stream, command in self.outbox:
-                pipe.xadd(control_stream, command, maxlen=1000, approximate=True)
+            for command in commands:
+                pipe.xadd(
+                    command.stream, cast(Any, dict(command.fields)), maxlen=1000, approximate=True
+                )
             await pipe.execute()
-            self.outbox.clear()
-        if stream is not None and ids:
-            await self.client.xack(stream, group or self.group, *ids)
+            commands.clear()
 
-    def _deadletter(
-        self, stream: str, entry_id: bytes | str, fields: dict[Any, Any], reason: str
-    ) -> dict[str, Any]:
-        log.warning("dead-lettered entry %s of %s: %s", _s(entry_id), stream, reason)
-        out: dict[str, Any] = {"stream": stream, "entry_id": _s(entry_id), "reason": reason}
-        for k, v in fields.items():
-            key = _s(k)
-            if key not in out:
-                out[f"orig.{key}"] = v
-        return out
+    async def acknowledge(self, stream: str, group: str, ids: list[bytes | str]) -> None:
+        """Step 5: the entries are done with, their effects recorded."""
+        if ids:
+            await self.client.xack(stream, group, *ids)
 
 
-def _audit_record(name: str, fields: dict[Any, Any]) -> dict[str, Any]:
+def _audit_record(name: str, fields: Fields) -> dict[str, Any]:
     """The event as its sender wrote it (with the keys readers do not model), marked so."""
     raw = fields.get(b"event", fields.get("event"))
     try:

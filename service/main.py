@@ -22,7 +22,7 @@ from oomcast.service.api.routes import alerts, devices, health, predict, rules, 
 from oomcast.service.context import ServiceContext
 from oomcast.service.ingest import Ingestor
 from oomcast.service.metrics import Metrics
-from oomcast.service.rules import load_rules
+from oomcast.service.rulefile import load_rules
 from oomcast.service.settings import Settings
 from oomcast.service.state import LiveState
 from oomcast.service.webhook import WebhookSender
@@ -41,7 +41,9 @@ def build_context(settings: Settings) -> ServiceContext:
     )
     rules = load_rules(settings.rules_path(), policy)
     log.info("rules from %s: %s", settings.rules_path(), "; ".join(r.describe() for r in rules))
-    live = LiveState(detector.forecaster, policy, settings.history_len, rules=rules)
+    live = LiveState(
+        detector.forecaster, rules, horizon_s=policy.horizon_s, history_len=settings.history_len
+    )
     client = aioredis.from_url(
         settings.redis_url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=30
     )
@@ -68,8 +70,8 @@ def build_context(settings: Settings) -> ServiceContext:
     dispatcher = Dispatcher(
         keys,
         rules,
-        webhook=webhooks.submit if webhooks else None,
-        alertmanager=alertmanager.submit if alertmanager else None,
+        webhook=webhooks,
+        alertmanager=alertmanager,
         control_secret=secret,
         command_ttl_s=settings.control_ttl_s,
         on_command=lambda action, mode: metrics.commands.labels(action=action, mode=mode).inc(),
@@ -86,9 +88,8 @@ def build_context(settings: Settings) -> ServiceContext:
         read_count=settings.read_count,
         claim_idle_ms=settings.claim_idle_ms,
         alerts_maxlen=settings.alerts_maxlen,
-        on_alert=dispatcher.submit,
+        dispatcher=dispatcher,
     )
-    dispatcher.outbox = ingestor.outbox
     return ServiceContext(
         settings,
         keys,

@@ -1,9 +1,16 @@
-"""Service configuration, read from ``OOMCAST_*`` environment variables (or passed in)."""
+"""Configuration, read from ``OOMCAST_*`` environment variables (or passed in): the one
+place service code reads the environment (the Redis layout alone is ``model/wire.py``'s).
+
+``Settings`` configures ``oomcast serve`` (and the demo's service); ``CommandEnv`` holds
+what the other subcommands take from the environment as their flags' defaults (the node
+agent's, the log level). Each is read once, when the command starts.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from urllib.parse import urlparse
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -44,48 +51,56 @@ class Settings(BaseSettings):
 
     redis_url: str = DEFAULT_REDIS_URL
     key_prefix: str = DEFAULT_KEY_PREFIX
-    partitions: int = Field(DEFAULT_PARTITIONS, ge=1, le=1024)
+    partitions: int = Field(default=DEFAULT_PARTITIONS, ge=1, le=1024)
     # Which partitions this replica reads, e.g. "0-1" or "0,2"; empty means all. Replicas
     # that split the work own disjoint sets covering 0..partitions-1.
     partitions_owned: str = ""
     consumer_group: str = "oomcast-service"
     consumer_name: str = Field(default_factory=_default_consumer)
     claim_idle_ms: int = Field(
-        30_000, ge=100, description="reclaim other consumers' entries idle this long"
+        default=30_000, ge=100, description="reclaim other consumers' entries idle this long"
     )
-    read_count: int = Field(500, ge=1)
-    stream_maxlen: int = Field(100_000, ge=1000)
-    alerts_maxlen: int = Field(10_000, ge=100)
+    read_count: int = Field(default=500, ge=1)
+    stream_maxlen: int = Field(default=100_000, ge=1000)
+    alerts_maxlen: int = Field(default=10_000, ge=100)
 
     # "model" (the ONNX LSTM) or the name of a baseline (see `oomcast evaluate`)
     forecaster: str = "model"
     model_path: str | None = None  # default: the model shipped with oomcast
     alert_horizon_s: int = 60
-    alert_fire_risk: float = Field(0.5, gt=0, le=1)
-    alert_resolve_risk: float = Field(0.2, ge=0, lt=1)
-    alert_fire_after: int = Field(2, ge=1, description="consecutive samples above fire_risk")
-    alert_resolve_after: int = Field(3, ge=1, description="consecutive samples below resolve_risk")
+    alert_fire_risk: float = Field(default=0.5, gt=0, le=1)
+    alert_resolve_risk: float = Field(default=0.2, ge=0, lt=1)
+    alert_fire_after: int = Field(
+        default=2, ge=1, description="consecutive samples above fire_risk"
+    )
+    alert_resolve_after: int = Field(
+        default=3, ge=1, description="consecutive samples below resolve_risk"
+    )
 
     webhook_url: str | None = None
     webhook_secret: SecretStr | None = None
-    webhook_timeout_s: float = Field(5.0, gt=0)
-    webhook_max_attempts: int = Field(6, ge=1)
-    webhook_backoff_s: float = Field(0.5, gt=0)
-    webhook_backoff_max_s: float = Field(30.0, gt=0)
-    webhook_queue: int = Field(1000, ge=1)
+    webhook_timeout_s: float = Field(default=5.0, gt=0)
+    webhook_max_attempts: int = Field(default=6, ge=1)
+    webhook_backoff_s: float = Field(default=0.5, gt=0)
+    webhook_backoff_max_s: float = Field(default=30.0, gt=0)
+    webhook_queue: int = Field(default=1000, ge=1)
 
     alertmanager_url: str | None = None  # e.g. http://alertmanager:9093
-    alertmanager_resend_s: float = Field(60.0, gt=0)
+    alertmanager_resend_s: float = Field(default=60.0, gt=0)
 
     # Rules (service/default_rules.yaml when unset) and the key that signs node commands.
     rules: str | None = None
     control_secret: SecretStr | None = None
-    control_ttl_s: float = Field(30.0, gt=0, le=600)
+    control_ttl_s: float = Field(default=30.0, gt=0, le=600)
 
     api_token: SecretStr | None = None
-    history_len: int = Field(600, ge=10, description="samples kept per domain for /v1/devices")
-    live_after_s: float = Field(600.0, gt=0, description="a domain silent this long is dropped")
-    max_predict_samples: int = Field(10_000, ge=1)
+    history_len: int = Field(
+        default=600, ge=10, description="samples kept per domain for /v1/devices"
+    )
+    live_after_s: float = Field(
+        default=600.0, gt=0, description="a domain silent this long is dropped"
+    )
+    max_predict_samples: int = Field(default=10_000, ge=1)
 
     @field_validator("redis_url")
     @classmethod
@@ -115,7 +130,7 @@ class Settings(BaseSettings):
         return v.rstrip("/")
 
     def rules_path(self) -> str:
-        from oomcast.service.rules import DEFAULT_RULES
+        from oomcast.service.rulefile import DEFAULT_RULES
 
         return self.rules or str(DEFAULT_RULES)
 
@@ -139,7 +154,7 @@ class Settings(BaseSettings):
                 " not tell our alerts from forged ones; set a secret"
             )
         self.owned_partitions()  # refuses a bad OOMCAST_PARTITIONS_OWNED at start-up
-        from oomcast.service.rules import check_rules_file
+        from oomcast.service.rulefile import check_rules_file
 
         check_rules_file(self.rules_path())  # refuses a bad rule at start-up, naming it
         if self.alert_resolve_risk >= self.alert_fire_risk:
@@ -148,3 +163,25 @@ class Settings(BaseSettings):
                 f" OOMCAST_ALERT_FIRE_RISK ({self.alert_fire_risk}), or alerts would flap"
             )
         return self
+
+
+class CommandEnv(BaseSettings):
+    """What the subcommands other than ``serve`` take from ``OOMCAST_*`` (flag defaults).
+    It checks nothing of the service's own settings: an agent starts whatever the service's
+    rule file says."""
+
+    model_config = SettingsConfigDict(env_prefix="OOMCAST_", extra="ignore", env_ignore_empty=True)
+
+    log_level: str = "info"
+    redis_url: str | None = None  # None: not configured (the demo then looks for one)
+    stream_maxlen: int = Field(default=100_000, ge=1)
+    agent_metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    control_secret: SecretStr | None = None  # verifies the service's commands on the agent
+    cgroup_root: str | None = None
+    proc_root: str = "/proc"
+    node: str | None = None
+
+
+def child_env(overrides: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment with ``overrides``: for the processes the demo starts."""
+    return {**os.environ, **overrides}

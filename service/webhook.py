@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from oomcast.model.signing import sign, verify
@@ -48,11 +48,11 @@ class WebhookSender(OrderedSender):
         self.url = url
         self._secret = secret
 
-    def submit(self, payload: dict[str, Any]) -> bool:
+    def submit(self, payload: Mapping[str, Any]) -> bool:
         """Queue one alert; never waits. Deliveries of one domain keep their order."""
         return self._put((payload.get("node"), payload.get("device")), payload, _describe(payload))
 
-    async def _deliver(self, payload: dict[str, Any]) -> None:
+    async def _deliver(self, payload: Mapping[str, Any]) -> None:
         body = json.dumps(payload, separators=(",", ":")).encode()
         headers = {
             "Content-Type": "application/json",
@@ -62,5 +62,5 @@ class WebhookSender(OrderedSender):
         await self._post(self.url, lambda: body, headers, _describe(payload))
 
 
-def _describe(payload: dict[str, Any]) -> str:
+def _describe(payload: Mapping[str, Any]) -> str:
     return f"{payload.get('status')} alert for {payload.get('node')}/{payload.get('device')}"

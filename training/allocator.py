@@ -184,6 +184,23 @@ class _Block:
         self.handle = 0
 
 
+def _need(cond: bool, msg: str) -> None:
+    """An invariant of :meth:`CachingAllocatorSim.check_invariants`."""
+    if not cond:
+        raise AssertionError(msg)
+
+
+@dataclass
+class _SegmentSums:
+    """What check_invariants adds up over one segment."""
+
+    blocks: int = 0
+    allocated: int = 0
+    requested: int = 0
+    reserved: int = 0
+    inactive: int = 0
+
+
 def _check_mib_option(name: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int number of bytes, got {value!r}")
@@ -409,16 +426,16 @@ class CachingAllocatorSim:
         self._peak_allocated = self._allocated
         self._peak_reserved = self._reserved
 
-    def state_key(self) -> tuple:
+    def state_key(self) -> tuple[object, ...]:
         """Hashable fingerprint of the layout: per pool, the segments in address order, each as
         its blocks ``(size, state, handle)`` (state 0 free, 1 allocated with its handle, 2
         unmapped), plus the live size-0 handles and the configuration. Stats and absolute
         addresses are left out; equal keys and equal capacities give identical futures."""
         by_ptr = self._blocks_by_ptr()
-        pools: tuple[list[tuple], list[tuple]] = ([], [])
+        pools: tuple[list[tuple[tuple[int, int, int], ...]], ...] = ([], [])
         for base in sorted(self._segments):
             seg = self._segments[base]
-            items = []
+            items: list[tuple[int, int, int]] = []
             block: _Block | None = by_ptr[base]
             while block is not None:
                 items.append((block.size, block.state, block.handle))
@@ -436,14 +453,8 @@ class CachingAllocatorSim:
 
     def check_invariants(self) -> None:
         """Walk every segment and cross-check all bookkeeping; raise AssertionError if wrong."""
-
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise AssertionError(msg)
-
-        expandable = self._expandable
         by_ptr = self._blocks_by_ptr()
-        need(
+        _need(
             len(by_ptr) == len(self._free) + len(self._unmapped) + len(self._live),
             "a block is registered twice",
         )
@@ -453,95 +464,121 @@ class CachingAllocatorSim:
         allocated = 0
         requested = 0
         for base, seg in self._segments.items():
-            need(seg.base == base, "segment keyed under the wrong address")
-            need(base in by_ptr, f"segment {base:#x} has no head block")
-            block: _Block | None = by_ptr[base]
-            need(block is not None and block.prev is None, "segment head has a predecessor")
-            pos = base
-            total = 0
-            mapped = 0
-            prev: _Block | None = None
-            nblocks = 0
-            while block is not None:
-                nblocks += 1
-                seen += 1
-                need(block.ptr == pos, f"block at {block.ptr:#x} expected at {pos:#x}")
-                need(block.seg is seg, "block points to another segment")
-                need(block.pool == seg.pool, "block pool differs from its segment's")
-                need(block.prev is prev, "broken prev link")
-                need(block.size > 0 and block.size % K_MIN_BLOCK_SIZE == 0, "bad block size")
-                need(by_ptr.get(block.ptr) is block, "block missing from its registry")
-                if prev is not None:
-                    need(
-                        not (prev.state == block.state and block.state != _ALLOC),
-                        "two adjacent free (or unmapped) blocks were not merged",
-                    )
-                state = block.state
-                if state == _FREE:
-                    need(self._free.get(block.ptr) is block, "free block not in the free map")
-                    need(block.handle == 0, "free block keeps a handle")
-                elif state == _ALLOC:
-                    need(self._live.get(block.handle) is block, "allocated block without handle")
-                    need(0 < block.requested <= block.size, "requested size out of range")
-                    need(round_size(block.requested) <= block.size, "block smaller than request")
-                    allocated += block.size
-                    requested += block.requested
-                else:
-                    need(expandable, "unmapped block outside an expandable segment")
-                    need(self._unmapped.get(block.ptr) is block, "unmapped block not registered")
-                    need(
-                        (block.ptr - base) % seg.page == 0 and block.size % seg.page == 0,
-                        "unmapped block not page aligned",
-                    )
-                if state != _UNMAPPED:
-                    mapped += block.size
-                total += block.size
-                pos += block.size
-                prev = block
-                block = block.next
-            need(total == seg.size, f"blocks of segment {base:#x} sum to {total}, not {seg.size}")
-            if expandable:
-                need(seg.page > 0, "expandable segment without page size")
-                need(mapped == seg.mapped, "mapped bytes disagree with the segment")
-                need(mapped % seg.page == 0, "partial page mapped")
-                reserved += mapped
-            else:
-                need(seg.page == 0, "cudaMalloc segment with a page size")
-                reserved += seg.size
-                if nblocks > 1:
-                    b2: _Block | None = by_ptr[base]
-                    while b2 is not None:
-                        if b2.state == _FREE:
-                            inactive += b2.size
-                        b2 = b2.next
-        need(seen == len(by_ptr), "blocks outside every segment")
+            sums = self._check_segment(base, seg, by_ptr)
+            seen += sums.blocks
+            allocated += sums.allocated
+            requested += sums.requested
+            reserved += sums.reserved
+            inactive += sums.inactive
+        _need(seen == len(by_ptr), "blocks outside every segment")
+        self._check_free_lists()
+        for handle, block in self._live.items():
+            _need(block.state == _ALLOC and block.handle == handle, "live handle mismatch")
+        _need(not (self._zero & self._live.keys()), "handle both zero-size and live")
+        _need(allocated == self._allocated, f"allocated {self._allocated} != {allocated}")
+        _need(requested == self._requested, f"requested {self._requested} != {requested}")
+        _need(reserved == self._reserved, f"reserved {self._reserved} != {reserved}")
+        _need(inactive == self._inactive_split, f"inactive {self._inactive_split} != {inactive}")
+        _need(self._reserved >= self._allocated, "reserved below allocated")
+        _need(self._peak_allocated >= self._allocated, "peak allocated below current")
+        _need(self._peak_reserved >= self._reserved, "peak reserved below current")
+
+    def _check_segment(self, base: int, seg: _Segment, by_ptr: dict[int, _Block]) -> _SegmentSums:
+        """check_invariants for one segment and its blocks, in address order."""
+        _need(seg.base == base, "segment keyed under the wrong address")
+        _need(base in by_ptr, f"segment {base:#x} has no head block")
+        block: _Block | None = by_ptr[base]
+        _need(block is not None and block.prev is None, "segment head has a predecessor")
+        sums = _SegmentSums()
+        pos = base
+        total = 0
+        mapped = 0
+        prev: _Block | None = None
+        while block is not None:
+            sums.blocks += 1
+            self._check_block(block, seg, base, pos, prev, by_ptr)
+            if block.state == _ALLOC:
+                sums.allocated += block.size
+                sums.requested += block.requested
+            if block.state != _UNMAPPED:
+                mapped += block.size
+            total += block.size
+            pos += block.size
+            prev = block
+            block = block.next
+        _need(total == seg.size, f"blocks of segment {base:#x} sum to {total}, not {seg.size}")
+        if self._expandable:
+            _need(seg.page > 0, "expandable segment without page size")
+            _need(mapped == seg.mapped, "mapped bytes disagree with the segment")
+            _need(mapped % seg.page == 0, "partial page mapped")
+            sums.reserved = mapped
+        else:
+            _need(seg.page == 0, "cudaMalloc segment with a page size")
+            sums.reserved = seg.size
+            if sums.blocks > 1:
+                b2: _Block | None = by_ptr[base]
+                while b2 is not None:
+                    if b2.state == _FREE:
+                        sums.inactive += b2.size
+                    b2 = b2.next
+        return sums
+
+    def _check_block(
+        self,
+        block: _Block,
+        seg: _Segment,
+        base: int,
+        pos: int,
+        prev: _Block | None,
+        by_ptr: dict[int, _Block],
+    ) -> None:
+        """check_invariants for one block of ``seg``, expected at ``pos`` after ``prev``."""
+        _need(block.ptr == pos, f"block at {block.ptr:#x} expected at {pos:#x}")
+        _need(block.seg is seg, "block points to another segment")
+        _need(block.pool == seg.pool, "block pool differs from its segment's")
+        _need(block.prev is prev, "broken prev link")
+        _need(block.size > 0 and block.size % K_MIN_BLOCK_SIZE == 0, "bad block size")
+        _need(by_ptr.get(block.ptr) is block, "block missing from its registry")
+        if prev is not None:
+            _need(
+                not (prev.state == block.state and block.state != _ALLOC),
+                "two adjacent free (or unmapped) blocks were not merged",
+            )
+        state = block.state
+        if state == _FREE:
+            _need(self._free.get(block.ptr) is block, "free block not in the free map")
+            _need(block.handle == 0, "free block keeps a handle")
+        elif state == _ALLOC:
+            _need(self._live.get(block.handle) is block, "allocated block without handle")
+            _need(0 < block.requested <= block.size, "requested size out of range")
+            _need(round_size(block.requested) <= block.size, "block smaller than request")
+        else:
+            _need(self._expandable, "unmapped block outside an expandable segment")
+            _need(self._unmapped.get(block.ptr) is block, "unmapped block not registered")
+            _need(
+                (block.ptr - base) % seg.page == 0 and block.size % seg.page == 0,
+                "unmapped block not page aligned",
+            )
+
+    def _check_free_lists(self) -> None:
+        """check_invariants for the sorted free-block keys and unmapped addresses per pool."""
         for pool in (_SMALL, _LARGE):
             keys = self._keys[pool]
-            need(all(a < b for a, b in pairwise(keys)), "free list unsorted")
+            _need(all(a < b for a, b in pairwise(keys)), "free list unsorted")
             for key in keys:
                 block = self._free.get(key & _MASK)
-                need(block is not None, "free key without block")
+                _need(block is not None, "free key without block")
                 assert block is not None
-                need(block.pool == pool and block.size == key >> _SHIFT, "stale free key")
+                _need(block.pool == pool and block.size == key >> _SHIFT, "stale free key")
             ptrs = self._unmapped_ptrs[pool]
-            need(ptrs == sorted(ptrs), "unmapped list unsorted")
+            _need(ptrs == sorted(ptrs), "unmapped list unsorted")
             for ptr in ptrs:
-                need(ptr in self._unmapped and self._unmapped[ptr].pool == pool, "stale ptr")
-        need(len(self._keys[0]) + len(self._keys[1]) == len(self._free), "free map/list mismatch")
-        need(
+                _need(ptr in self._unmapped and self._unmapped[ptr].pool == pool, "stale ptr")
+        _need(len(self._keys[0]) + len(self._keys[1]) == len(self._free), "free map/list mismatch")
+        _need(
             len(self._unmapped_ptrs[0]) + len(self._unmapped_ptrs[1]) == len(self._unmapped),
             "unmapped map/list mismatch",
         )
-        for handle, block in self._live.items():
-            need(block.state == _ALLOC and block.handle == handle, "live handle mismatch")
-        need(not (self._zero & self._live.keys()), "handle both zero-size and live")
-        need(allocated == self._allocated, f"allocated {self._allocated} != {allocated}")
-        need(requested == self._requested, f"requested {self._requested} != {requested}")
-        need(reserved == self._reserved, f"reserved {self._reserved} != {reserved}")
-        need(inactive == self._inactive_split, f"inactive {self._inactive_split} != {inactive}")
-        need(self._reserved >= self._allocated, "reserved below allocated")
-        need(self._peak_allocated >= self._allocated, "peak allocated below current")
-        need(self._peak_reserved >= self._reserved, "peak reserved below current")
 
     # ------------------------------------------------------------------ internals
 

@@ -108,11 +108,12 @@ class AllocationLog:
         return peak
 
 
-class AllocationTracker(TorchDispatchMode):
+class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch: unannotated
+    # (TorchDispatchMode's __init_subclass__ and __init__ carry no annotations)
     """Records storage allocations and frees of every operator run under it."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch: unannotated __init__
         self.phase = "other"
         self.ops: list[Op] = []
         self._live: dict[int, int] = {}  # data_ptr -> storage id
@@ -205,7 +206,8 @@ class _LSTMLM(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, _ = self.lstm(self.embed(x))
-        return self.head(out)
+        logits: torch.Tensor = self.head(out)
+        return logits
 
 
 class _Encoder(nn.Module):
@@ -217,7 +219,8 @@ class _Encoder(nn.Module):
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(self.embed(x)))
+        logits: torch.Tensor = self.head(self.encoder(self.embed(x)))
+        return logits
 
 
 @dataclass(frozen=True)
@@ -337,7 +340,7 @@ def capture(
                 with tracker.in_phase("forward"):
                     loss = spec.loss(net(x), y)
                 with tracker.in_phase("backward"):
-                    loss.backward()
+                    loss.backward()  # type: ignore[no-untyped-call]  # torch: backward() is unannotated
                 with tracker.in_phase("optimizer"):
                     opt.step()
                     opt.zero_grad(set_to_none=True)

@@ -41,7 +41,6 @@ from oomcast.collectors.cgroupfs import (  # noqa: F401  (re-exported)
     Reading,
     default_root,
     detect_version,
-    own_cgroup_path,
     parse_flat_keyed,
     parse_size,
 )
@@ -145,6 +144,51 @@ def _wait_exit(proc: subprocess.Popen[Any], pidfd: int | None, timeout_s: float)
     return proc.poll() is not None
 
 
+def _watch(
+    proc: subprocess.Popen[Any],
+    pidfd: int | None,
+    monitor: CgroupMonitor,
+    interval_s: float,
+    timeout_s: float | None,
+) -> bool:
+    """Tick ``monitor`` every ``interval_s`` until the command exits, the cgroup OOMs or
+    ``timeout_s`` passes; True when it timed out."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    next_tick = time.monotonic()
+    while True:
+        now_m = time.monotonic()
+        if now_m >= next_tick:
+            if monitor.tick():
+                return False
+            next_tick += interval_s
+            if next_tick <= now_m:  # fell behind (a stalled machine): skip, don't burst
+                next_tick = now_m + interval_s
+        if proc.poll() is not None:
+            return False
+        if deadline is not None and now_m >= deadline:
+            return True
+        wait = next_tick - time.monotonic()
+        if deadline is not None:
+            wait = min(wait, deadline - time.monotonic())
+        _wait_exit(proc, pidfd, wait)
+
+
+def _reap(
+    proc: subprocess.Popen[Any], pidfd: int | None, monitor: CgroupMonitor, timed_out: bool
+) -> None:
+    """Stop the command if it still runs, wait for it, and end the monitor's trace."""
+    if not _wait_exit(proc, pidfd, 0.0) and not monitor.oom:
+        # timed out: stop it; whatever it did is not an OOM unless the kernel says so
+        proc.kill()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if not monitor.finish() and not timed_out and proc.returncode == 0:
+        monitor.mark_exit()
+
+
 def record(
     cmd: Sequence[str],
     *,
@@ -201,35 +245,8 @@ def record(
         started = time.time()
         with contextlib.suppress(OSError, AttributeError):
             pidfd = os.pidfd_open(proc.pid)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        next_tick = time.monotonic()
-        while True:
-            now_m = time.monotonic()
-            if now_m >= next_tick:
-                if monitor.tick():
-                    break
-                next_tick += interval_s
-                if next_tick <= now_m:  # fell behind (a stalled machine): skip, don't burst
-                    next_tick = now_m + interval_s
-            if proc.poll() is not None:
-                break
-            if deadline is not None and now_m >= deadline:
-                timed_out = True
-                break
-            wait = next_tick - time.monotonic()
-            if deadline is not None:
-                wait = min(wait, deadline - time.monotonic())
-            _wait_exit(proc, pidfd, wait)
-        if not _wait_exit(proc, pidfd, 0.0) and not monitor.oom:
-            # timed out: stop it; whatever it did is not an OOM unless the kernel says so
-            proc.kill()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if not monitor.finish() and not timed_out and proc.returncode == 0:
-            monitor.mark_exit()
+        timed_out = _watch(proc, pidfd, monitor, interval_s, timeout_s)
+        _reap(proc, pidfd, monitor, timed_out)
         duration = time.time() - started
     finally:
         if pidfd is not None:

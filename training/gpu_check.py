@@ -92,7 +92,7 @@ def _gpu_run(name: str, args: dict[str, Any]) -> dict[str, Any]:  # pragma: no c
         x, y = spec.batch(cfg, g, step)
         x, y = x.cuda(), y.cuda()
         loss = spec.loss(net(x), y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch: backward() is unannotated
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
@@ -144,7 +144,7 @@ def _gpu_oom(fraction: float, leak_mib: int) -> dict[str, Any]:  # pragma: no co
         try:
             x, y = spec.batch(cfg, g, step)
             loss = spec.loss(net(x.cuda()), y.cuda())
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # torch: backward() is unannotated
             opt.step()
             opt.zero_grad(set_to_none=True)
             kept.append(torch.empty(leak_mib << 20, dtype=torch.uint8, device="cuda"))

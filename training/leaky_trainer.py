@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 out = model[4](hidden)
                 loss = torch.nn.functional.mse_loss(out, y)
                 opt.zero_grad()
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]  # torch: backward() is unannotated
                 opt.step()
                 if step >= args.leak_after:
                     outputs.append(hidden)  # batch x width floats (and a graph node) per step

@@ -297,7 +297,7 @@ def step_domains(fc: OnnxForecaster, doms: list[DomainRisk]) -> None:
             forecasts = fc.step(
                 states[:n],
                 [d.samples[k] for d in active],  # type: ignore[index]
-                [d.x[k] for d in active],  # type: ignore[index,misc]
+                [d.x[k] for d in active],  # type: ignore[index]
             )
             for j, f in enumerate(forecasts):
                 risks[j][k] = [f.risk[h] for h in horizons]

@@ -100,7 +100,7 @@ class Job:
         assert self.opt is not None
         self.opt.zero_grad(set_to_none=True)
         loss = self.loss(batch)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch: backward() is unannotated
         self.opt.step()
         return float(loss.item())
 
@@ -124,6 +124,8 @@ def _mlp(widths: Sequence[int]) -> nn.Sequential:
 
 
 class MLPTabular(Job):
+    model: nn.Sequential
+
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
         self.model = _mlp([128, args.width, args.width, args.width, 10])
@@ -141,6 +143,8 @@ class MLPTabular(Job):
 
 
 class CNNClassifier(Job):
+    model: nn.Sequential
+
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
         self.model = small_cnn(args.width // 32)
@@ -172,7 +176,8 @@ class CausalSelfAttention(nn.Module):
         att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
         mask = torch.ones(t, t, dtype=torch.bool).triu(1)
         att = att.masked_fill(mask, float("-inf")).softmax(-1)
-        return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        out: torch.Tensor = self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        return out
 
 
 class DecoderBlock(nn.Module):
@@ -184,7 +189,8 @@ class DecoderBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.att(self.ln1(x))
-        return x + self.ff(self.ln2(x))
+        out: torch.Tensor = x + self.ff(self.ln2(x))
+        return out
 
 
 class TransformerLM(Job):
@@ -332,12 +338,12 @@ class GAN(Job):
         assert self.opt is not None
         self.opt.zero_grad(set_to_none=True)
         d_loss = self.loss(batch)
-        d_loss.backward()
+        d_loss.backward()  # type: ignore[no-untyped-call]  # torch: backward() is unannotated
         self.opt.step()
         self.opt_g.zero_grad(set_to_none=True)
         fake_logit = self.disc(self.gen(torch.randn(batch.shape[0], 64, 1, 1)))
         g_loss = F.binary_cross_entropy_with_logits(fake_logit, torch.ones_like(fake_logit))
-        g_loss.backward()
+        g_loss.backward()  # type: ignore[no-untyped-call]  # torch: backward() is unannotated
         self.opt_g.step()
         return float(d_loss.item())
 
@@ -398,6 +404,7 @@ class InferenceServer(Job):
     sequence = True
     trains = False
     vocab = 5000
+    model: nn.Sequential
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
@@ -413,7 +420,8 @@ class InferenceServer(Job):
         return torch.randint(0, self.vocab, (burst, size))
 
     def loss(self, batch: Any) -> torch.Tensor:
-        return self.model(batch).softmax(-1).amax(-1).mean()
+        top: torch.Tensor = self.model(batch).softmax(-1).amax(-1).mean()
+        return top
 
     def leak_layer(self) -> nn.Module:
         return self.model[1]
@@ -674,25 +682,31 @@ def run_hf(args: argparse.Namespace) -> None:
     import transformers
     from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback
 
-    transformers.logging.set_verbosity_error()
-    cfg = BertConfig(
+    transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # unannotated
+    # num_labels goes to PretrainedConfig through **kwargs, which BertConfig's typed
+    # dataclass signature does not show
+    cfg = BertConfig(  # type: ignore[call-arg]
         vocab_size=8000, hidden_size=args.width // 4, num_hidden_layers=2,
         num_attention_heads=4, intermediate_size=args.width, num_labels=4,
         max_position_embeddings=2048,
     )  # fmt: skip
     model = BertForSequenceClassification(cfg)
     gen = torch.Generator().manual_seed(args.seed)
-    state = {"step": 0}
+    progress = {"step": 0}
     period_s = args.duration_s / max(1, args.steps)
     cause = args.cause
 
     def length() -> int:
-        step, a = state["step"], args
-        if cause == "growth" and step >= a.onset:
-            return round(a.seq * (1 + a.amount * (step - a.onset) / max(1, a.steps - a.onset)))
-        if cause == "step_up" and step >= a.onset:
-            return round(a.seq * (1 + a.amount))
-        return int(a.seq)
+        step, a = progress["step"], args
+        seq: int = a.seq
+        amount: float = a.amount
+        onset: int = a.onset
+        steps: int = a.steps
+        if cause == "growth" and step >= onset:
+            return round(seq * (1 + amount * (step - onset) / max(1, steps - onset)))
+        if cause == "step_up" and step >= onset:
+            return round(seq * (1 + amount))
+        return int(seq)
 
     class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         def __init__(self, n: int) -> None:
@@ -714,22 +728,26 @@ def run_hf(args: argparse.Namespace) -> None:
     class Bench(Trainer):
         def compute_loss(self, model: Any, inputs: Any, *a: Any, **kw: Any) -> Any:
             out = super().compute_loss(model, inputs, *a, **kw)
-            if cause == "leak" and state["step"] >= args.onset and state["step"] % args.every == 0:
+            step = progress["step"]
+            if cause == "leak" and step >= args.onset and step % args.every == 0:
                 kept.append(model.bert.embeddings.word_embeddings(inputs["input_ids"]).detach())
             return out
+
+    run_args = args  # on_step_end's own ``args`` are the Trainer's (TrainerCallback's names)
 
     class Pace(TrainerCallback):
         started = time.monotonic()
 
-        def on_step_end(self, targs: Any, tstate: Any, control: Any, **kw: Any) -> None:
-            state["step"] = tstate.global_step
-            step = tstate.global_step
-            if cause == "checkpoint" and step >= args.onset and step % args.every == 0:
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            progress["step"] = state.global_step
+            step = state.global_step
+            a = run_args
+            if cause == "checkpoint" and step >= a.onset and step % a.every == 0:
                 buf = io.BytesIO()
                 torch.save(model.state_dict(), buf)
                 kept.append(bytearray(buf.getbuffer()))
-                del kept[: -max(1, int(args.amount))]
-            wait = self.started + tstate.global_step * period_s - time.monotonic()
+                del kept[: -max(1, int(a.amount))]
+            wait = self.started + state.global_step * period_s - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
 

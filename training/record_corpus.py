@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from oomcast.collectors.cgroupfs import CgroupUnavailable
 from oomcast.model.schema import Sample
 from oomcast.model.trace import load_trace
-from oomcast.training.cgroup_recorder import CgroupUnavailable, record
+from oomcast.training.cgroup_recorder import record
 from oomcast.training.programs import GROWTH_CAUSES
 
 MIB = 1 << 20
@@ -275,9 +276,7 @@ def record_corpus(
     logs = Path(tempfile.mkdtemp(prefix="oomcast-corpus-logs-"))
     plan = make_plan(seed)
     path = out / MANIFEST
-    manifest: dict[str, Any] = (
-        json.loads(path.read_text()) if path.exists() else {"runs": []}
-    )
+    manifest: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"runs": []}
     done = {e["config"] for e in manifest["runs"] if (out / e["file"]).exists()}
     todo = [c for c in plan if c.index not in done and (only is None or c.index in only)]
     manifest.update({

@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from oomcast.collectors.cgroupfs import CgroupUnavailable, parse_size
 from oomcast.model.schema import Event, Sample
 from oomcast.model.trace import TraceError, load_trace
-from oomcast.training.cgroup_recorder import CgroupUnavailable, parse_size, record
+from oomcast.training.cgroup_recorder import record
 
 MANIFEST = "manifest.json"
 DEFAULT_INTERVAL_S = 0.25

@@ -375,22 +375,10 @@ def simulate_scenario(
         next_ckpt = x.get("checkpoint_every_s", math.inf)
         evals = 0
         leaked: list[int] = []
-        leak_per_step = 0
-        if p.family == "leak":
-            head = run.alloc.capacity_bytes - run.alloc.stats().reserved_bytes
-            steps_to_oom = max(1.0, x["time_to_oom_s"] / p.step_s)
-            leak_per_step = int(max(head, 0) / steps_to_oom * r.uniform(0.9, 1.3))
+        leak_per_step = _leak_per_step(run, p) if p.family == "leak" else 0
         neighbour_at = x.get("arrive_s", math.inf)
         while run.t < p.duration_s:
-            factor = 1.0
-            if p.family == "seq_growth":
-                factor = (1 + x["grow_by"]) ** math.floor(run.t / x["grow_every_s"])
-            elif p.family == "fragmentation":
-                spread = x["shape_spread"]
-                base = 1 + x["drift_per_s"] * run.t
-                factor = base * r.choice((0.6, 0.8, 1.0, 1.0 + spread / 2, 1.0 + spread))
-            elif p.family == "plateau":
-                factor = 1 + x["growth_frac"] / p.target_frac * (1 - math.exp(-run.t / x["tau_s"]))
+            factor = _step_factor(run, p)
             step_s = p.step_s * r.uniform(0.95, 1.05)
             run.step(steady_ops, step_s, factor)
             if leak_per_step:
@@ -399,29 +387,14 @@ def simulate_scenario(
                 leaked.append(run.extra(int(x["leak_per_s"] * step_s * run.total)))
             if run.t >= next_eval:
                 evals += 1
-                keep = int(x.get("eval_batches", 1) * x.get("eval_growth", 1.0) ** evals)
-                held: list[int] = []
-                for _ in range(max(1, keep)):  # no torch.no_grad(): activations stay alive
-                    held.extend(run.extra(int(op.size * run.scale)) for op in eval_ops if op.alloc)
-                    run.t += p.step_s * 0.3
-                    run.mark()
-                for h in held:
-                    run.alloc.free(h)
-                run.mark()
+                _eval_spike(run, p, eval_ops, evals)
                 next_eval += x["eval_every_s"]
             if run.t >= next_ckpt:
                 run.step(ckpt_ops, p.step_s * 2, kind=2)
                 next_ckpt += x["checkpoint_every_s"]
-            if run.t >= neighbour_at and run.neighbour < x["neighbour_frac"] * run.total:
-                # Another process on the same GPU ramps up its own memory.
-                want = min(
-                    int(x["neighbour_frac"] * run.total),
-                    run.neighbour + int(x["neighbour_frac"] * run.total * step_s / x["ramp_s"]),
-                )
-                if run.used(run.alloc.stats().reserved_bytes) + want - run.neighbour > run.total:
-                    oom_job = f"neighbour-of-{run.job}"
-                    raise NeighbourOutOfMemory()
-                run.set_outside(neighbour=want)
+            if run.t >= neighbour_at and not _ramp_neighbour(run, p, step_s):
+                oom_job = f"neighbour-of-{run.job}"
+                raise NeighbourOutOfMemory()
     except (SimOutOfMemory, NeighbourOutOfMemory):
         oom_t = run.t
         run.mark()
@@ -446,6 +419,59 @@ def simulate_scenario(
         "num_alloc_retries": stats.num_alloc_retries,
     }
     return records, summary
+
+
+def _leak_per_step(run: _Run, p: ScenarioParams) -> int:
+    """Bytes the leak family keeps per step: the headroom after the first step, spread over
+    the steps to its time to OOM (give or take)."""
+    head = run.alloc.capacity_bytes - run.alloc.stats().reserved_bytes
+    steps_to_oom = max(1.0, p.extra["time_to_oom_s"] / p.step_s)
+    return int(max(head, 0) / steps_to_oom * run.rng.uniform(0.9, 1.3))
+
+
+def _step_factor(run: _Run, p: ScenarioParams) -> float:
+    """How much larger than the captured step the next steady step is, by family."""
+    x, r = p.extra, run.rng
+    factor = 1.0
+    if p.family == "seq_growth":
+        factor = (1 + x["grow_by"]) ** math.floor(run.t / x["grow_every_s"])
+    elif p.family == "fragmentation":
+        spread = x["shape_spread"]
+        base = 1 + x["drift_per_s"] * run.t
+        factor = base * r.choice((0.6, 0.8, 1.0, 1.0 + spread / 2, 1.0 + spread))
+    elif p.family == "plateau":
+        factor = 1 + x["growth_frac"] / p.target_frac * (1 - math.exp(-run.t / x["tau_s"]))
+    return factor
+
+
+def _eval_spike(run: _Run, p: ScenarioParams, eval_ops: list[Op], evals: int) -> None:
+    """The ``evals``-th evaluation: its batches' activations held together, then freed."""
+    x = p.extra
+    keep = int(x.get("eval_batches", 1) * x.get("eval_growth", 1.0) ** evals)
+    held: list[int] = []
+    for _ in range(max(1, keep)):  # no torch.no_grad(): activations stay alive
+        held.extend(run.extra(int(op.size * run.scale)) for op in eval_ops if op.alloc)
+        run.t += p.step_s * 0.3
+        run.mark()
+    for h in held:
+        run.alloc.free(h)
+    run.mark()
+
+
+def _ramp_neighbour(run: _Run, p: ScenarioParams, step_s: float) -> bool:
+    """Another process on the same GPU ramps up its own memory, until its share; False when
+    the next ramp does not fit on the device (the OOM is the neighbour's doing)."""
+    x = p.extra
+    if not run.neighbour < x["neighbour_frac"] * run.total:
+        return True
+    want = min(
+        int(x["neighbour_frac"] * run.total),
+        run.neighbour + int(x["neighbour_frac"] * run.total * step_s / x["ramp_s"]),
+    )
+    if run.used(run.alloc.stats().reserved_bytes) + want - run.neighbour > run.total:
+        return False
+    run.set_outside(neighbour=want)
+    return True
 
 
 def _checkpoint_ops(log: AllocationLog) -> list[Op]:

@@ -61,7 +61,17 @@ def _emit(
             used = int(cache[0] * total)
             extra = {"allocated_bytes": int(level * total)}
         records.append(
-            Sample(T0 + t, "shapes", device, kind, total, used, peak_bytes=used, **extra)
+            Sample(
+                T0 + t,
+                "shapes",
+                device,
+                kind,
+                total,
+                used,
+                allocated_bytes=extra.get("allocated_bytes"),
+                reserved_bytes=extra.get("reserved_bytes"),
+                peak_bytes=used,
+            )
         )
         t += interval
     ev = "oom" if oom_at_s is not None else "exit"

@@ -265,7 +265,7 @@ def _batches(
             spans.append((s, length - max_ticks, length))
     spans.sort(key=lambda sp: sp[2] - sp[1])
     out = [spans[a : a + batch] for a in range(0, len(spans), batch)]
-    rng.shuffle(out)  # type: ignore[arg-type]
+    rng.shuffle(out)
     return out
 
 
@@ -376,7 +376,7 @@ def train(
                 # seen). A domain lives for days in service, so the state must stay bounded.
                 loss = loss + cell_penalty * state[1].pow(2).mean()
                 opt.zero_grad()
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]  # torch: backward() is unannotated
                 torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
                 opt.step()
                 state = (state[0].detach(), state[1].detach())

@@ -127,7 +127,8 @@ class Attention(nn.Module):
         if pad is not None:
             att = att.masked_fill(pad[:, None, None, :], float("-inf"))
         att = self.drop(att.softmax(dim=-1))
-        return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        out: torch.Tensor = self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        return out
 
 
 class Block(nn.Module):
@@ -140,7 +141,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.att(self.ln1(x), pad)
-        return x + self.ff(self.ln2(x))
+        out: torch.Tensor = x + self.ff(self.ln2(x))
+        return out
 
 
 class TinyTransformer(nn.Module):
@@ -154,7 +156,8 @@ class TinyTransformer(nn.Module):
         x = self.emb(tokens)
         for blk in self.blocks:
             x = blk(x, pad)
-        return self.head(x.mean(dim=1))
+        logits: torch.Tensor = self.head(x.mean(dim=1))
+        return logits
 
 
 class TinyLSTM(nn.Module):
@@ -166,10 +169,11 @@ class TinyLSTM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
         out, _ = self.lstm(self.emb(tokens))
-        return self.head(out.mean(dim=1))
+        logits: torch.Tensor = self.head(out.mean(dim=1))
+        return logits
 
 
-def small_cnn(channels: int, classes: int = 10) -> nn.Module:
+def small_cnn(channels: int, classes: int = 10) -> nn.Sequential:
     """A CNN on 3x64x64 images; activations, not parameters, dominate its memory."""
     c = channels
     return nn.Sequential(
@@ -198,7 +202,7 @@ def train_step(
 ) -> float:
     opt.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model(x), y)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]  # torch: backward() is unannotated
     opt.step()
     return float(loss.item())
 
@@ -228,7 +232,7 @@ def run_leak(args: argparse.Namespace) -> None:
         logits = head(model(tokens[:, :-1]))
         loss = F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch: backward() is unannotated
         opt.step()
         # the bug: per-token losses for the epoch report, still attached to the graph
         tok = F.cross_entropy(
@@ -335,7 +339,7 @@ def run_optimizer_state(args: argparse.Namespace) -> None:
         for lin in backbone:
             h = F.relu(lin(h))
         loss = F.cross_entropy(head(h), y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch: backward() is unannotated
         opt.step()  # Adam's state for a new group appears here
         run.step_done(step, float(loss.item()), unfrozen=unfrozen)
     run.finish()
@@ -389,7 +393,7 @@ def run_fragment_shapes(args: argparse.Namespace) -> None:
         y = torch.randint(0, 4, (batch,), generator=gen)
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x, pad), y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch: backward() is unannotated
         opt.step()
         run.step_done(step, float(loss.item()), len=t, cap=int(cap))
     run.finish()

@@ -45,7 +45,7 @@ from oomcast.collectors.cgroupfs import (
     detect_version,
     parse_flat_keyed,
 )
-from oomcast.collectors.procinfo import job_name, parse_cgroup_path
+from oomcast.collectors.jobnames import job_name, parse_cgroup_path
 from oomcast.model.schema import Event, Record
 
 log = logging.getLogger(__name__)
@@ -299,7 +299,7 @@ class CgroupSource:
                 explained = sum(
                     n
                     for r, n in raw.items()
-                    if (self.root / r.lstrip("/")).is_relative_to(dom.witness)
+                    if (Path(self.root) / r.lstrip("/")).is_relative_to(dom.witness)
                 )
                 witnesses[dom.witness] = (
                     None if now_kills is None else now_kills - dom.witness_kills - explained

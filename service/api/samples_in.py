@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, JsonValue
 
 from oomcast.model.schema import OrderChecker, Sample, SchemaError, parse_sample
 from oomcast.service.api.deps import schema_error, unprocessable
 
-EXAMPLE_SAMPLE = {
+EXAMPLE_SAMPLE: dict[str, JsonValue] = {
     "ts": 1764400000.0,
     "node": "gpu-node-17",
     "device": "gpu0",

@@ -33,8 +33,8 @@ from oomcast.collectors.actions import (
     rss_bytes,
     send_signal,
 )
-from oomcast.collectors.hook import jobctl_key
 from oomcast.model.control import Command
+from oomcast.model.jobcontrol import jobctl_key
 from oomcast.model.wire import Keys
 
 GIB = 1 << 30
@@ -373,8 +373,8 @@ def test_shed_dry_run_kills_nothing(children: Children) -> None:
     assert result.outcome == "dry_run"
     assert ended(result) == {a.pid: "dry_run", b.pid: "dry_run"}
     assert "SIGTERM" in result.detail
-    time.sleep(0.3)
-    assert alive(a) and alive(b)
+    # nothing was sent: neither dies (a SIGTERM would end them within milliseconds)
+    assert not wait_until(lambda: not (alive(a) and alive(b)), timeout_s=0.3)
 
 
 def test_shed_shortfall_refused_unless_partial(children: Children) -> None:
@@ -472,8 +472,8 @@ def test_checkpoint_refused_when_nothing_catches_the_signal(
     why = {d["pid"]: d["why"] for d in result.data["not_signalled"]}
     assert why[plain.pid] == why[ignoring.pid] == "does not catch SIGUSR1"
     assert why[1] == why[os.getpid()] == "pid 1 or the agent itself"
-    time.sleep(0.3)
-    assert alive(plain) and alive(ignoring)  # SIGUSR1's default action would have killed it
+    # SIGUSR1's default action would have killed them
+    assert not wait_until(lambda: not (alive(plain) and alive(ignoring)), timeout_s=0.3)
 
 
 def test_checkpoint_through_the_hook(
@@ -521,8 +521,7 @@ def test_checkpoint_dry_run_sends_nothing(
     assert result.outcome == "dry_run"
     assert result.data["catching_pids"] == [job.pid]
     assert "SIGUSR1" in result.detail
-    time.sleep(0.3)
-    assert not flag.exists() and alive(job) and alive(plain)
+    assert not wait_until(lambda: flag.exists() or not (alive(job) and alive(plain)), 0.3)
     assert rclient.exists(jobctl_key(key_prefix, "train-1")) == 0
 
 
@@ -540,15 +539,15 @@ def test_checkpoint_only_the_commands_job(
     action = CheckpointAction(rclient, keys, hook_wait_s=0.2, ack_timeout_s=1)
     result = action(command("checkpoint", job="train-1"), [cand(other, GIB, "other", 5)])
     assert result.outcome == "refused"
-    time.sleep(0.2)
-    assert not flag.exists()
+    assert not wait_until(flag.exists, timeout_s=0.2)
 
 
 def test_checkpoint_cancel_ends_the_wait(
     children: Children, tmp_path: Path, rclient: redis.Redis, redis_url: str, key_prefix: str
 ) -> None:
     keys = Keys(key_prefix)
-    job = children.start(SIGNAL_JOB, str(tmp_path / "f"), redis_url, keys.events, "t", "0")
+    flag = tmp_path / "f"
+    job = children.start(SIGNAL_JOB, str(flag), redis_url, keys.events, "t", "0")
     action = CheckpointAction(rclient, keys, hook_wait_s=0.2, ack_timeout_s=60)
     got: list[ActionResult] = []
     worker = threading.Thread(
@@ -556,7 +555,7 @@ def test_checkpoint_cancel_ends_the_wait(
     )
     t0 = time.monotonic()
     worker.start()
-    time.sleep(1.0)
+    assert wait_until(flag.exists, timeout_s=10)  # signalled: now it waits for the ack
     action.cancel()
     worker.join(10)
     assert got and got[0].outcome == "failed" and time.monotonic() - t0 < 10

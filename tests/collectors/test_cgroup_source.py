@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import LIMIT, MIB, v1_files, v2_files, write_files
+from support import LIMIT, MIB, v1_files, v2_files, wait_until, write_files
 
 from oomcast.collectors.cgroupfs import (
     CgroupUnavailable,
@@ -270,12 +270,13 @@ def test_real_oom_kill_is_seen_by_the_source(real_cgroup: MemoryCgroup) -> None:
     try:
         seen: list[Sample] = []
         events: list[Event] = []
-        deadline = time.monotonic() + 30
-        while not events and time.monotonic() < deadline:
+
+        def killed() -> bool:
             for r in src.poll(time.time()):
                 (events if isinstance(r, Event) else seen).append(r)  # type: ignore[arg-type]
-            time.sleep(0.05)
-        assert events, "the kernel did not OOM-kill the process within 30 s"
+            return bool(events)
+
+        assert wait_until(killed, timeout_s=30), "the kernel did not OOM-kill it within 30 s"
         assert proc.wait(timeout=10) == -9
     finally:
         if proc.poll() is None:

@@ -187,9 +187,12 @@ def test_command_for_another_node(harness: Harness) -> None:
     assert "node-b" in event["message"]
     # on node-b's own stream: node-a never reads it
     harness.send(sign_command(harness.command(node="node-b"), SECRET), node="node-b")
-    time.sleep(0.5)
-    assert len(harness.events()) == 1
-    assert harness.executor.calls == []
+    assert harness.listener.stream == harness.keys.control(NODE)
+    # a command for node-a after it: once node-a has acted on that, it has read all it reads
+    marker = harness.command()
+    harness.send(sign_command(marker, SECRET))
+    assert wait_until(lambda: len(harness.events()) == 2)
+    assert [c.id for c, _ in harness.executor.calls] == [marker["id"]]
 
 
 def test_second_action_while_one_runs_is_busy(rclient: redis.Redis, key_prefix: str) -> None:
@@ -238,7 +241,9 @@ def test_commands_before_start_are_not_run(rclient: redis.Redis, key_prefix: str
         h.send(sign_command(late, SECRET))
         (event,) = h.wait_events(1)
         assert event["id"] == late["id"]
-        time.sleep(0.3)
+        # the early command is ahead of the late one on the stream: the listener, which reads
+        # in order, is past it once the late one has run
+        assert h.listener.wait_idle(10)
         assert len(h.executor.calls) == 1
     finally:
         h.listener.stop(10)

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import redis
+from support import wait_until
 
 from oomcast.collectors import hook as hook_mod
 from oomcast.collectors.hook import (
@@ -30,6 +31,7 @@ from oomcast.collectors.hook import (
     parse_jobctl,
     redact_url,
 )
+from oomcast.collectors.procinfo import SelfMemory
 from oomcast.model.embedding import EMBEDDING_VERSION, FEATURES, N_FEATURES, EmbeddingState
 from oomcast.model.schema import SchemaError
 from oomcast.model.wire import DecodedSample, decode_event, decode_samples
@@ -38,15 +40,6 @@ GIB = 1 << 30
 MIB = 1 << 20
 NODE = "n-hook"
 UUID = "5a3c5f0e-1b2c-4d3e-8f90-a1b2c3d4e5f6"
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 @pytest.fixture(autouse=True)
@@ -153,7 +146,7 @@ def test_host_step_resets_the_peak_at_most_once_per_peak_reset_s(
     # Each write to clear_refs takes the mmap write lock: at every step it would make step()
     # wait behind (and stall) other threads' page faults.
     hook = make_hook(mode="host")  # peak_reset_s: 1 s by default
-    proc = hook._proc
+    proc = hook._reader.memory  # type: ignore[union-attr]
     assert proc is not None
     if proc.clear_fd is None:
         pytest.skip("the kernel does not let this process reset its peak RSS")
@@ -178,7 +171,7 @@ def test_host_step_resets_the_peak_at_most_once_per_peak_reset_s(
 
 def test_host_peak_between_resets_covers_the_samples_since_the_reset() -> None:
     now = [100.0]
-    proc = hook_mod._ProcMemory(True, peak_reset_s=10.0, clock=lambda: now[0])
+    proc = SelfMemory(True, peak_reset_s=10.0, clock=lambda: now[0])
     try:
         if proc.clear_fd is None:
             pytest.skip("the kernel does not let this process reset its peak RSS")
@@ -239,7 +232,7 @@ def test_unreachable_redis_never_blocks_a_step(key_prefix: str) -> None:
             hook.step()
             durations.append(time.perf_counter() - t0)
             time.sleep(0.0005)
-        assert wait_for(lambda: hook.stats.publish_errors > 0 and hook.stats.publish_dropped > 0)
+        assert wait_until(lambda: hook.stats.publish_errors > 0 and hook.stats.publish_dropped > 0)
         assert hook.stats.samples == 300
         assert statistics.median(durations) < 0.002
     finally:
@@ -275,8 +268,11 @@ def test_a_stalled_redis_fills_the_queue_but_steps_stay_fast(
     try:
         hook.step()
         # once the thread has taken that sample it waits on Redis for 3 s
-        assert wait_for(hook._queue.empty)
-        time.sleep(0.05)
+        # once the thread has taken that sample it waits on Redis for 3 s, the sample still
+        # in the publisher's buffer
+        pub = hook._outbox.publisher
+        assert pub is not None
+        assert wait_until(lambda: hook._outbox.queue.empty() and pub.buffered_samples > 0)
         worst = 0.0
         for _ in range(100):
             t0 = time.perf_counter()
@@ -356,10 +352,10 @@ def test_oom_event_is_sent_directly_when_the_thread_is_gone(
     make_hook: Callable[..., MemoryHook], rclient: redis.Redis
 ) -> None:
     hook = make_hook(mode="host")
-    hook._stop.set()  # the background thread stops, as if wedged or killed
-    hook._wake.set()
-    assert hook._thread is not None
-    hook._thread.join(5.0)
+    hook._outbox.stop_event.set()  # the background thread stops, as if wedged or killed
+    hook._outbox.wake.set()
+    assert hook._outbox.thread is not None
+    hook._outbox.thread.join(5.0)
     with pytest.raises(MemoryError), hook.guard():
         raise MemoryError
     assert [e["event"] for e in read_events(rclient, hook)] == ["oom"]
@@ -383,7 +379,7 @@ def test_sigusr1_requests_a_checkpoint_and_chains_the_previous_handler(
         hook.on_checkpoint_request(lambda req: calls.append((req, threading.current_thread())))
         assert not hook.checkpoint_requested
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert wait_for(lambda: hook.checkpoint_requested)
+        assert wait_until(lambda: hook.checkpoint_requested)
         req = hook.checkpoint_request
         assert req is not None and req.source == "signal" and "SIGUSR1" in (req.reason or "")
         assert len(calls) == 1 and calls[0][0] == req
@@ -429,7 +425,7 @@ def test_control_stream_command_requests_a_checkpoint(
     rclient.xadd(key, {"cmd": "{not json"})
     rclient.xadd(key, encode_jobctl("shed", id="x"))
     rclient.xadd(key, encode_jobctl("checkpoint", id="req-1", reason="risk 0.9 within 60s"))
-    assert wait_for(lambda: hook.checkpoint_requested and hook.stats.control_ignored == 2)
+    assert wait_until(lambda: hook.checkpoint_requested and hook.stats.control_ignored == 2)
     assert [c[0].id for c in calls] == ["req-1"]
     req, thread = calls[0]
     assert (req.source, req.reason) == ("jobctl", "risk 0.9 within 60s")
@@ -641,10 +637,10 @@ def test_the_oom_event_is_queued_before_the_sample_after_it(
 
     class Recording(queue.Queue):  # type: ignore[type-arg]
         def put_nowait(self, item: Any) -> None:
-            queued_after.append([e.event.event for e in hook._events])
+            queued_after.append([e.event.event for e in hook._outbox.events])
             super().put_nowait(item)
 
-    hook._queue = Recording(maxsize=16)
+    hook._outbox.queue = Recording(maxsize=16)
     hook.step()
     fake_cuda.stats["num_ooms"] = 1  # an OOM the loop caught and survived
     hook.step()
@@ -676,9 +672,9 @@ def test_steps_during_a_publishing_round_leave_in_the_order_they_were_taken(
                     hook.step()  # the OOM, then the sample after it
                 raise
 
-    hook._queue = Racing(maxsize=16)
+    hook._outbox.queue = Racing(maxsize=16)
     hook.step()
-    hook._publish_pending(force=True)
+    hook._outbox.publish_pending(force=True)
     assert injected
     assert hook.close()
     samples = read_samples(rclient, hook)
@@ -815,16 +811,19 @@ def _in_a_forked_child(work: Callable[[], dict[str, Any]], timeout_s: float = 30
         finally:
             os._exit(code)
     os.close(w)
-    deadline = time.monotonic() + timeout_s
-    while True:
+    reaped: list[int] = []
+
+    def exited() -> bool:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung")
-        time.sleep(0.01)
+            reaped.append(status)
+        return bool(done)
+
+    if not wait_until(exited, timeout_s=timeout_s, interval_s=0.01):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
+    status = reaped[0]
     with os.fdopen(r, "rb") as f:
         data = f.read()
     assert os.waitstatus_to_exitcode(status) == 0

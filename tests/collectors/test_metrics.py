@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
 from support import LIMIT, v2_files, write_files
 
@@ -95,6 +96,7 @@ def test_endpoints_with_real_redis(tmp_path: Path, redis_url: str, key_prefix: s
         http.close()
 
 
+@pytest.mark.slow  # rides out a Redis outage and a stall: about 4 s
 def test_not_ready_while_redis_is_down_and_not_live_when_stalled(tmp_path: Path) -> None:
     dead = redis.Redis(port=1, socket_connect_timeout=0.2)  # nothing listens on port 1
     src = CgroupSource("n1", cgroup_root(tmp_path), interval_s=0.1)

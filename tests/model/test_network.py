@@ -197,6 +197,7 @@ def test_tto_loss_is_l1_on_log_seconds_where_known_and_its_minimum_is_the_median
     assert float(at_oom) == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_survival_loss_learns_a_simple_pattern() -> None:
     torch.manual_seed(2)
     cfg = NetConfig(embed_dim=8, hidden=16, layers=1)

@@ -97,6 +97,15 @@ class Stack:
     def audit(self) -> list[dict[str, Any]]:
         return list(reversed(httpx.get(f"{self.base}/v1/alerts?limit=1000").json()["alerts"]))
 
+    def samples_seen(self, device: str) -> int:
+        r = httpx.get(f"{self.base}/v1/devices/{self.node}/{device}")
+        return int(r.json()["samples_seen"]) if r.status_code == 200 else 0
+
+    def forecasting(self, device: str) -> bool:
+        """The agent streams ``device`` and the service has forecast it."""
+        r = httpx.get(f"{self.base}/v1/devices/{self.node}/{device}")
+        return r.status_code == 200
+
     def events(self) -> list[Any]:
         return [decode_event(f) for _, f in self.client.xrange(self.keys.events)]
 
@@ -127,6 +136,7 @@ TRAINER = [sys.executable, "-m", "oomcast.training.leaky_trainer"]
 TRAIN_ARGS = ["--leak-after", "40", "--width", "1024", "--batch", "256", "--step-s", "0.06"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_checkpoint_before_the_oom_saves_the_work(
     make_cgroup: Any, redis_url: str, key_prefix: str, tmp_path: Path
@@ -219,18 +229,26 @@ while True:
 """
 
 
-def start_pair(cg: MemoryCgroup, env: dict[str, str], tmp: Path) -> tuple[Any, Any]:
+def start_pair(
+    cg: MemoryCgroup, env: dict[str, str], tmp: Path, stack: Stack | None = None
+) -> tuple[Any, Any]:
+    """The high-priority holder, then (once the service has seen it hold for about 3 s, where
+    a service watches) the low-priority job that grows until the cgroup is full."""
     hi_env = {**env, "OOMCAST_PRIORITY": "10", "OOMCAST_JOB": "trainer-hi"}
     lo_env = {**env, "OOMCAST_PRIORITY": "0", "OOMCAST_JOB": "batch-lo"}
     hi = run_in(
         cg, [sys.executable, "-S", "-c", HOLD.format(mib=300, seconds=40)], hi_env, tmp / "hi.log"
     )
     assert wait_until(lambda: "holding" in (tmp / "hi.log").read_text(), 20)
-    time.sleep(3)
+    if stack is not None:  # 12 samples at the agent's 0.25 s: the holder's level is known
+        device = f"cgroup:/{cg.name}"
+        start = stack.samples_seen(device)
+        assert wait_until(lambda: stack.samples_seen(device) >= start + 12, 20)
     lo = run_in(cg, [sys.executable, "-S", "-c", GROW], lo_env, tmp / "lo.log")
     return hi, lo
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_shedding_the_low_priority_job_lets_the_high_priority_one_finish(
     make_cgroup: Any, redis_url: str, key_prefix: str, tmp_path: Path
@@ -264,9 +282,9 @@ def test_shedding_the_low_priority_job_lets_the_high_priority_one_finish(
     # so it runs the predict_linear baseline, which projects from the climb's first samples.
     stack = Stack(tmp_path, redis_url, key_prefix, cg, rules, forecaster="predict_linear_w60s_h60s")
     try:
-        assert wait_until(lambda: stack.client.exists(stack.keys.control(stack.node)) or True, 1)
-        time.sleep(2)  # the agent has seen the cgroup
-        hi, lo = start_pair(cg, {k: v for k, v in os.environ.items()}, tmp_path)
+        # start_pair waits for the service to have the holder's samples: the agent, which
+        # samples only cgroups with processes in them, has seen the cgroup by then
+        hi, lo = start_pair(cg, dict(os.environ), tmp_path, stack)
         lo_code = lo.wait(60)
         hi_code = hi.wait(60)
         assert lo_code in (-signal.SIGTERM, -signal.SIGKILL), f"low-priority job: {lo_code}"
@@ -301,7 +319,8 @@ def test_forged_expired_and_replayed_commands_are_refused_and_audited(
         [{"name": "notify", "when": {"model_rule": True}, "actions": ["webhook"]}],
     )
     try:
-        time.sleep(2)  # the agent's listener is reading
+        # the agent samples the cgroup, so its control listener (started first) is reading
+        assert wait_until(lambda: stack.forecasting(f"cgroup:/{cg.name}"), 30)
         stream = stack.keys.control(stack.node)
         device = f"cgroup:/{cg.name}"
 

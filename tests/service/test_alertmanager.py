@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support import wait_until
 
 from oomcast.service.alertmanager import (
     DEFAULT_ALERTNAME,
@@ -87,16 +88,17 @@ class Alertmanager:
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+
+        def ready() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"alertmanager exited: {self.log.read_text()[-2000:]}")
             try:
-                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
-                    return
+                return httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
+                return False
+
+        if wait_until(ready, timeout_s):
+            return
         self.stop()
         raise RuntimeError(
             f"alertmanager not ready in {timeout_s}s: {self.log.read_text()[-2000:]}"
@@ -293,7 +295,7 @@ def test_resent_while_firing_and_gone_once_resolved(am: Alertmanager) -> None:
         assert await am_received(am.url, "resolved") == 1  # ended by us, not by expiry
         firing_before = await am_received(am.url, "firing")
         # No more re-sends after the resolve: no firing arrives, and it stays gone.
-        await asyncio.sleep(1.2)
+        await asyncio.sleep(1.2)  # a check that nothing happens: this one must wait
         assert await am_alerts(am.url) == []
         assert await am_received(am.url, "firing") == firing_before
 
@@ -349,7 +351,7 @@ def test_a_resolve_is_never_overtaken_by_a_retried_firing(am_stopped: Alertmanag
         assert sender.submit(payload(device="gpu0"))
         assert sender.submit(payload("resolved", device="gpu0"))
         assert sender.submit(payload(device="gpu1"))
-        await asyncio.sleep(0.5)
+        await eventually(lambda: "retry" in results)  # tried while Alertmanager is down
         await asyncio.to_thread(am_stopped.start)
         await eventually(lambda: results.count("delivered") == 3)
         active = await am_alerts(am_stopped.url, active="true")
@@ -406,7 +408,7 @@ def test_a_4xx_is_refused_and_not_retried(am: Alertmanager) -> None:
         await sender.start()
         assert sender.submit(payload())
         await eventually(lambda: results)
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # a check that no retry follows: this one must wait
         await sender.stop()
 
     asyncio.run(go())
@@ -513,9 +515,7 @@ def test_the_service_pushes_a_rule_alert_that_alertmanager_shows(
                 if a["labels"].get("alertname") == "gpu-oom-soon"
             ]
 
-        deadline = time.monotonic() + 30
-        while not active() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        assert wait_until(lambda: bool(active()), 30)
         [alert] = active()
         labels = alert["labels"]
         assert (labels["node"], labels["device"], labels["job"]) == ("node-am", "gpu0", "leaky")

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 
+import pytest
 from support import oomcast_cmd
 
 from oomcast.service.bench import bench_inference
@@ -28,6 +29,7 @@ def test_bench_inference_reports_every_figure_and_restores_the_cpu_set() -> None
         assert out[key] > 0
 
 
+@pytest.mark.slow
 def test_cli_bench_json() -> None:
     done = subprocess.run(
         [*oomcast_cmd("bench", "inference", "--json", "--seconds", "0.02")],

@@ -14,13 +14,15 @@ from typing import Any
 
 import pytest
 import redis
-from support import oomcast_cmd
+from support import oomcast_cmd, wait_until
 
 from oomcast.collectors.sources.sim import SimSource
 from oomcast.model.schema import Event, Sample
-from oomcast.service import cli, demo
+from oomcast.service import cli, cli_collect, demo
+from oomcast.service.demo_summary import Oom, summarize
 
 
+@pytest.mark.slow
 def test_demo_runs_and_cleans_up(redis_url: str, rclient: redis.Redis) -> None:
     env = {**os.environ, "OOMCAST_REDIS_URL": redis_url}
     done = subprocess.run(
@@ -48,11 +50,10 @@ def test_demo_runs_and_cleans_up(redis_url: str, rclient: redis.Redis) -> None:
 def test_demo_starts_a_private_redis_when_none_answers(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.delenv("OOMCAST_REDIS_URL", raising=False)
     real = demo._answers
     monkeypatch.setattr(demo, "_answers", lambda url: ":6379/" not in url and real(url))
     said: list[str] = []
-    with demo.redis_for_demo(said.append) as url:
+    with demo.redis_for_demo(said.append, configured=None) as url:
         assert ":6379/" not in url
         assert redis.Redis.from_url(url).ping()
     assert "private redis-server" in said[0]
@@ -72,11 +73,17 @@ def test_ctrl_c_stops_everything_it_started(tmp_path: Path) -> None:
     first = proc.stdout.readline()
     assert "started a private redis-server at" in first
     url = first.split(" at ")[1].split()[0]
-    assert redis.Redis.from_url(url).ping()
+    client = redis.Redis.from_url(url)
+    assert client.ping()
     for line in proc.stdout:
         if line.startswith("webhooks:"):
             break
-    time.sleep(3)
+
+    def streaming() -> bool:  # the simulated nodes are up and their samples arrive
+        keys = list(client.scan_iter(match=f"{demo.PREFIX}:samples:*"))
+        return any(client.xlen(k) > 0 for k in keys)
+
+    assert wait_until(streaming, 30)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
@@ -96,7 +103,7 @@ def _demo_sources() -> dict[str, SimSource]:
     out = {}
     for node, patterns, seed in demo.NODES:
         args = cli.build_parser().parse_args(demo.collector_argv(node, patterns, seed, 1.0))
-        (source,) = cli._build_sources(args)
+        (source,) = cli_collect._build_sources(args)
         assert isinstance(source, SimSource)
         out[node] = source
     return out
@@ -207,10 +214,10 @@ def test_summary_scores_warned_ooms_false_alarms_and_misses(utc: None) -> None:
         (hook("firing", B3, "e4", 86.0), False),  # bad signature: ignored
     ]
     ooms = [
-        demo.Oom(*A0, T0 + 70.5, "fast_leak-gpu0"),
-        demo.Oom("demo-node-a", "gpu2", T0 + 88.0, "step_growth-gpu2"),
+        Oom(*A0, T0 + 70.5, "fast_leak-gpu0"),
+        Oom("demo-node-a", "gpu2", T0 + 88.0, "step_growth-gpu2"),
     ]
-    lines = demo.summarize(received, ooms, demo.demo_patterns(), started_at=T0 - 2.0)
+    lines = summarize(received, ooms, demo.demo_patterns(), started_at=T0 - 2.0)
     assert lines == [
         "demo over: 2 OOMs, 1 of them warned of in advance; 4 alerts fired in all,"
         " 2 false alarms, 1 still open; 8 webhooks received, 1 with a bad signature.",
@@ -232,8 +239,8 @@ def test_summary_alert_that_calmed_down_before_the_oom_did_not_warn_of_it(utc: N
         (hook("resolved", B1, "e1", 20.0, reason=CALM), True),
         (hook("firing", B1, "e2", 50.0, tto=9.0), True),  # then a new one, open at the OOM
     ]
-    ooms = [demo.Oom(*B1, T0 + 55.0, "leak-gpu1")]
-    lines = demo.summarize(received, ooms, demo.demo_patterns())
+    ooms = [Oom(*B1, T0 + 55.0, "leak-gpu1")]
+    lines = summarize(received, ooms, demo.demo_patterns())
     assert lines[0] == (
         "demo over: 1 OOM, 1 of them warned of in advance; 2 alerts fired in all,"
         " 1 false alarm; 3 webhooks received, 0 with a bad signature."
@@ -252,7 +259,7 @@ def test_summary_takes_the_oom_time_from_the_resolved_alert_when_no_event_was_se
         (hook("firing", A0, "e1", 30.0, tto=45.0), True),
         (hook("resolved", A0, "e1", 71.0, reason=OOM_REASON), True),
     ]
-    lines = demo.summarize(received, [], demo.demo_patterns())
+    lines = summarize(received, [], demo.demo_patterns())
     assert lines == [
         "demo over: 1 OOM, 1 of them warned of in advance; 1 alert fired in all,"
         " 0 false alarms; 2 webhooks received, 0 with a bad signature.",
@@ -263,7 +270,7 @@ def test_summary_takes_the_oom_time_from_the_resolved_alert_when_no_event_was_se
 
 
 def test_summary_of_a_quiet_demo() -> None:
-    assert demo.summarize([], [], demo.demo_patterns()) == [
+    assert summarize([], [], demo.demo_patterns()) == [
         "demo over: 0 OOMs, 0 of them warned of in advance; 0 alerts fired in all,"
         " 0 false alarms; 0 webhooks received, 0 with a bad signature."
     ]

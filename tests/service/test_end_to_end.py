@@ -53,6 +53,7 @@ def stack(redis_url: str, key_prefix: str, webhook_receiver: Any) -> Any:
     server.wait(15)
 
 
+@pytest.mark.slow
 def test_replayed_oom_fires_a_signed_webhook_before_the_oom(
     stack: Any, tmp_path: Path, webhook_receiver: Any, rclient: redis.Redis, key_prefix: str
 ) -> None:
@@ -92,6 +93,7 @@ def test_replayed_oom_fires_a_signed_webhook_before_the_oom(
     }
 
 
+@pytest.mark.slow
 def test_replayed_trace_without_oom_fires_nothing(
     stack: Any, tmp_path: Path, webhook_receiver: Any
 ) -> None:

@@ -8,8 +8,8 @@ import json
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -175,17 +175,20 @@ def test_sigkill_loses_no_pending_sample(
 ) -> None:
     keys = Keys(key_prefix, 2)
     proc = served()
+
     # Freeze the service while it waits in XREADGROUP: Redis hands the next entry to the
     # blocked reader, which can then never ack it. Then kill it for real.
+    def state() -> str:  # R running, S sleeping, T stopped (proc(5))
+        return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
     for attempt in range(50):
         os.kill(proc.pid, signal.SIGSTOP)
-        time.sleep(0.05)
+        assert wait_until(lambda: state() == "T", 5, 0.005)
         add(rclient, keys, "n1", [payload("n1", f"victim{attempt}", T0)])
-        time.sleep(0.1)
-        if pending(rclient, keys):
+        if wait_until(lambda: pending(rclient, keys) > 0, 0.1, 0.01):
             break
         os.kill(proc.pid, signal.SIGCONT)
-        time.sleep(0.05)
+        assert wait_until(lambda: state() != "T", 5, 0.005)
     else:
         pytest.fail("could not catch the service inside XREADGROUP")
     assert pending(rclient, keys) == 1

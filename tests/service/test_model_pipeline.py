@@ -41,6 +41,7 @@ QUIET_BASELINES = ("kubelet_100MiB_10s",)
 SECRET = "model-e2e"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not DEFAULT_MODEL.is_file(), reason="no shipped model (model/*.onnx)")
 def test_the_model_warns_through_the_real_pipeline_as_scored_and_before_a_quiet_baseline(
     redis_url: str, key_prefix: str, webhook_receiver: Any, tmp_path: Path

@@ -1,13 +1,16 @@
-"""service/rules.py and service/actions.py: rule files are validated with errors that name the
-rule and field; episodes with hysteresis, cooldown, repeats and matching; the dispatcher's
-record of what it did; the default rule set; and `oomcast serve` refusing a bad file."""
+"""service/rulefile.py, service/rules.py and service/actions.py: rule files are validated with
+errors that name the rule and field (old field names still accepted); episodes with
+hysteresis, cooldown, repeats and matching; the dispatcher's record of what it did; the
+default rule set; and `oomcast serve` refusing a bad file."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,20 +18,15 @@ import pytest
 from support import oomcast_cmd
 
 from oomcast.model.control import NonceCache, verify_command
-from oomcast.model.forecast import AlertRule, Forecast, RiskRow
+from oomcast.model.forecast import Forecast, RiskRow
 from oomcast.model.schema import Sample
 from oomcast.model.wire import Keys
 from oomcast.service.actions import Dispatcher
-from oomcast.service.alerts import AlertPolicy
-from oomcast.service.rules import (
-    DEFAULT_RULES,
-    RulesError,
-    Tracker,
-    load_rules,
-    step_rule,
-)
+from oomcast.service.rulefile import DEFAULT_RULES, RulesError, load_rules
+from oomcast.service.rules import Alert, AlertPolicy, Episode, Rule, evaluate
 
-POLICY = AlertPolicy(AlertRule(120, 0.6), resolve_risk=0.3, fire_after=1)
+POLICY = AlertPolicy(120, 0.6, resolve_risk=0.3, fire_after=1)
+NOW = 1000.0
 H = (5, 15, 30, 60, 120, 300)
 
 
@@ -46,10 +44,19 @@ def sample(ts: float = 1.0, device: str = "gpu0", kind: str = "gpu") -> Sample:
     return Sample(ts, "n1", device, kind, 100, 90, job="train")
 
 
+def step(ep: Episode, rule: Rule, s: Sample, f: Forecast, now: float = NOW) -> Alert | None:
+    return evaluate(ep, rule, s, f, "train", now)
+
+
+def payload_of(alert: Alert | None) -> dict[str, Any]:
+    assert alert is not None
+    return alert.to_payload()
+
+
 RISK_RULE = {
     "name": "r",
-    "when": {"risk_above": 0.8, "horizon_s": 60, "for_samples": 2},
-    "resolve": {"risk_below": 0.3, "for_samples": 2},
+    "when": {"fire_risk": 0.8, "horizon_s": 60, "for_samples": 2},
+    "resolve": {"resolve_risk": 0.3, "for_samples": 2},
     "actions": ["webhook"],
     "cooldown_s": 0,
 }
@@ -58,13 +65,15 @@ RISK_RULE = {
 @pytest.mark.parametrize(
     ("rule", "message"),
     [
-        ({**RISK_RULE, "when": {"risk_above": 0.8}}, "'r': when: risk_above needs horizon_s"),
+        ({**RISK_RULE, "when": {"fire_risk": 0.8}}, "'r': when: fire_risk needs horizon_s"),
+        ({**RISK_RULE, "when": {"risk_above": 0.8}}, "'r': when: fire_risk needs horizon_s"),
         ({**RISK_RULE, "when": {"horizon_s": 60}}, "give exactly one detector"),
         ({**RISK_RULE, "actions": ["page"]}, "'r': actions[0]: Input should be"),
-        ({**RISK_RULE, "resolve": {"risk_below": 0.9}}, "must be below when.risk_above"),
+        ({**RISK_RULE, "resolve": {"resolve_risk": 0.9}}, "must be below when.fire_risk"),
+        ({**RISK_RULE, "resolve": {"risk_below": 0.9}}, "must be below when.fire_risk"),
         ({**RISK_RULE, "cooldown": 5}, "'r': cooldown: Extra inputs are not permitted"),
         ({**RISK_RULE, "name": "bad name"}, "'bad name': name: String should match"),
-        ({**RISK_RULE, "when": {"risk_above": 1.5, "horizon_s": 60}}, ": when.risk_above"),
+        ({**RISK_RULE, "when": {"fire_risk": 1.5, "horizon_s": 60}}, ": when.fire_risk"),
         ({**RISK_RULE, "actions": []}, ": actions: List should have at least 1 item"),
         (
             {**RISK_RULE, "actions": ["shed"], "params": {"shed": {"target_frac": "85%"}}},
@@ -98,60 +107,70 @@ def test_file_level_errors(tmp_path: Path) -> None:
         load_rules(tmp_path / "missing.yaml", POLICY)
 
 
+def test_old_field_names_are_aliases_of_the_new() -> None:
+    old = {
+        **RISK_RULE,
+        "when": {"risk_above": 0.8, "horizon_s": 60, "for_samples": 2},
+        "resolve": {"risk_below": 0.3, "for_samples": 2},
+    }
+    assert load_rules_from(old) == load_rules_from(RISK_RULE)
+    [rule] = load_rules_from(old)
+    assert (rule.fire_risk, rule.resolve_risk) == (0.8, 0.3)
+
+
 def test_hysteresis_and_for_samples() -> None:
     [rule] = load_rules_from(RISK_RULE)
-    t = Tracker()
-    assert step_rule(t, rule, sample(), fc(0.9), "train") is None  # 1 of 2
-    fired = step_rule(t, rule, sample(), fc(0.9), "train")
-    assert fired is not None and fired["status"] == "firing" and fired["rule_name"] == "r"
+    t = Episode()
+    assert step(t, rule, sample(), fc(0.9)) is None  # 1 of 2
+    fired = payload_of(step(t, rule, sample(), fc(0.9)))
+    assert fired["status"] == "firing" and fired["rule_name"] == "r"
     assert fired["risk"]["60"] == 0.9 and fired["observed_at"] == 1.0  # what caused it
     # between the two bars: still firing; below the lower one twice: resolved
-    assert step_rule(t, rule, sample(), fc(0.5), "train") is None
-    assert step_rule(t, rule, sample(), fc(0.2), "train") is None
-    resolved = step_rule(t, rule, sample(), fc(0.2), "train")
-    assert resolved is not None and resolved["status"] == "resolved"
+    assert step(t, rule, sample(), fc(0.5)) is None
+    assert step(t, rule, sample(), fc(0.2)) is None
+    resolved = payload_of(step(t, rule, sample(), fc(0.2)))
+    assert resolved["status"] == "resolved"
 
 
-def test_cooldown_suppresses_actions_and_repeat_renews_them(monkeypatch: Any) -> None:
-    now = [1000.0]
-    monkeypatch.setattr("oomcast.service.rules.time.time", lambda: now[0])
+def test_cooldown_suppresses_actions_and_repeat_renews_them() -> None:
+    now = 1000.0
     [rule] = load_rules_from({**RISK_RULE, "cooldown_s": 60, "repeat_s": 10})
-    t = Tracker()
-    step_rule(t, rule, sample(), fc(0.9), "train")
-    first = step_rule(t, rule, sample(), fc(0.9), "train")
-    assert first is not None and not first["suppressed"]
-    now[0] += 5
-    assert step_rule(t, rule, sample(), fc(0.9), "train") is None  # too soon to repeat
-    now[0] += 6
-    again = step_rule(t, rule, sample(), fc(0.9), "train")
-    assert again is not None and again.get("repeat") is True and again["status"] == "firing"
+    t = Episode()
+    step(t, rule, sample(), fc(0.9), now)
+    first = payload_of(step(t, rule, sample(), fc(0.9), now))
+    assert not first["suppressed"]
+    now += 5
+    assert step(t, rule, sample(), fc(0.9), now) is None  # too soon to repeat
+    now += 6
+    again = payload_of(step(t, rule, sample(), fc(0.9), now))
+    assert again.get("repeat") is True and again["status"] == "firing"
     for _ in range(2):
-        step_rule(t, rule, sample(), fc(0.1), "train")  # resolved
-    now[0] += 5
+        step(t, rule, sample(), fc(0.1), now)  # resolved
+    now += 5
     for _ in range(2):
-        out = step_rule(t, rule, sample(), fc(0.9), "train")
-    assert out is not None and out["suppressed"] is True  # within 60 s of the last firing
-    assert "cooldown" in out["reason"]
+        out = step(t, rule, sample(), fc(0.9), now)
+    p = payload_of(out)
+    assert p["suppressed"] is True  # within 60 s of the last firing
+    assert "cooldown" in p["reason"]
 
 
-def test_an_episode_that_outlasts_its_cooldown_acts_when_it_ends(monkeypatch: Any) -> None:
-    now = [1000.0]
-    monkeypatch.setattr("oomcast.service.rules.time.time", lambda: now[0])
+def test_an_episode_that_outlasts_its_cooldown_acts_when_it_ends() -> None:
+    now = 1000.0
     [rule] = load_rules_from({**RISK_RULE, "cooldown_s": 60})
-    t = Tracker()
+    t = Episode()
     for _ in range(2):
-        step_rule(t, rule, sample(), fc(0.9), "train")
+        step(t, rule, sample(), fc(0.9), now)
     for _ in range(2):
-        step_rule(t, rule, sample(), fc(0.1), "train")  # resolved at t=1000
-    now[0] += 10
+        step(t, rule, sample(), fc(0.1), now)  # resolved at t=1000
+    now += 10
     for _ in range(2):
-        out = step_rule(t, rule, sample(), fc(0.9), "train")
-    assert out is not None and out["suppressed"] is True
-    now[0] += 30
-    assert step_rule(t, rule, sample(), fc(0.9), "train") is None  # still in the cooldown
-    now[0] += 30
-    acted = step_rule(t, rule, sample(), fc(0.9), "train")
-    assert acted is not None and acted["suppressed"] is False and acted["status"] == "firing"
+        out = step(t, rule, sample(), fc(0.9), now)
+    assert payload_of(out)["suppressed"] is True
+    now += 30
+    assert step(t, rule, sample(), fc(0.9), now) is None  # still in the cooldown
+    now += 30
+    acted = payload_of(step(t, rule, sample(), fc(0.9), now))
+    assert acted["suppressed"] is False and acted["status"] == "firing"
     assert "cooldown ended" in acted["reason"]
 
 
@@ -164,12 +183,12 @@ def test_time_to_oom_detector_and_match() -> None:
             "match": {"kind": "host", "device": "cgroup:/kubepods*"},
         }
     )
-    t = Tracker()
-    assert step_rule(t, rule, sample(kind="gpu"), fc(0.9, tto=10), "train") is None  # no match
+    t = Episode()
+    assert step(t, rule, sample(kind="gpu"), fc(0.9, tto=10)) is None  # no match
     host = sample(device="cgroup:/kubepods/pod1", kind="host")
-    assert step_rule(t, rule, host, fc(0.1, tto=None), "train") is None
-    fired = step_rule(t, rule, host, fc(0.1, tto=30), "train")
-    assert fired is not None and fired["time_to_oom_s"] == 30
+    assert step(t, rule, host, fc(0.1, tto=None)) is None
+    fired = payload_of(step(t, rule, host, fc(0.1, tto=30)))
+    assert fired["time_to_oom_s"] == 30
 
 
 def test_default_rules_load_and_explain_themselves() -> None:
@@ -177,60 +196,76 @@ def test_default_rules_load_and_explain_themselves() -> None:
     names = [r.name for r in rules]
     assert names == ["shed-lower-priority", "oom-forecast"]  # highest priority first
     forecast = next(r for r in rules if r.name == "oom-forecast")
-    assert (forecast.horizon_s, forecast.risk_above) == (120, 0.6)  # the model's rule
+    assert (forecast.horizon_s, forecast.fire_risk) == (120, 0.6)  # the model's rule
     assert "checkpoint" in forecast.actions
     shed = next(r for r in rules if r.name == "shed-lower-priority")
     assert shed.dry_run == {"shed"}  # shedding is off until someone turns it on
+
+
+class FakeNotifier:
+    """A sender that keeps what it is given, with room for ``room`` alerts."""
+
+    def __init__(self, room: int = 100) -> None:
+        self.sent: list[Mapping[str, Any]] = []
+        self.room = room
+
+    def has_room(self) -> bool:
+        return len(self.sent) < self.room
+
+    def submit(self, payload: Mapping[str, Any]) -> bool:
+        self.sent.append(payload)
+        return True
 
 
 def test_dispatcher_records_what_it_did_and_signs_node_commands() -> None:
     rules = load_rules_from(
         {**RISK_RULE, "actions": ["webhook", "alertmanager", "checkpoint", "shed"]},
     )
-    sent: list[dict[str, Any]] = []
-    d = Dispatcher(
-        Keys("t"),
-        rules,
-        webhook=lambda p: sent.append(p) or True,
-        alertmanager=None,
-        control_secret="k",
-    )
-    t = Tracker()
+    webhook = FakeNotifier()
+    d = Dispatcher(Keys("t"), rules, webhook=webhook, alertmanager=None, control_secret="k")
+    t = Episode()
     now = time.time()
-    step_rule(t, rules[0], sample(now), fc(0.9, ts=now), "train")
-    payload = step_rule(t, rules[0], sample(now), fc(0.9, ts=now), "train")
-    assert payload is not None
-    d.submit(payload)
-    assert sent == [payload]
-    done = payload["dispatched"]
+    step(t, rules[0], sample(now), fc(0.9, ts=now), now)
+    alert = step(t, rules[0], sample(now), fc(0.9, ts=now), now)
+    assert alert is not None
+    out = d.dispatch(alert, now)
+    assert webhook.sent == [out.record]  # the finished record, with what was done
+    done = out.record["dispatched"]
     assert done["webhook"] == "queued" and done["alertmanager"] == "not_configured"
-    assert [stream for stream, _ in d.outbox] == ["t:control:{n1}", "t:control:{n1}"]
+    assert {k: v for k, v in out.record.items() if k != "dispatched"} == alert.to_payload()
+    assert [c.stream for c in out.commands] == ["t:control:{n1}", "t:control:{n1}"]
     cmds = [
-        verify_command(f, "k", now=time.time(), node="n1", nonces=NonceCache()) for _, f in d.outbox
+        verify_command(dict(c.fields), "k", now=time.time(), node="n1", nonces=NonceCache())
+        for c in out.commands
     ]
     assert [c.action for c in cmds] == ["checkpoint", "shed"]
     shed = cmds[1]
     assert shed.params["need_bytes"] == 90 - 85  # down to 85% of 100 bytes
-    assert shed.forecast["risk"] == payload["risk"]
+    assert shed.forecast["risk"] == out.record["risk"]
     assert done["shed"]["command_id"] == shed.id
     # a dry-run rule sends nothing to receivers, and flags its node commands
-    payload2 = dict(payload, dry_run=["webhook", "checkpoint", "shed", "alertmanager"])
-    d.submit(payload2)
-    assert payload2["dispatched"]["webhook"] == "dry_run" and len(sent) == 1
-    assert payload2["dispatched"]["checkpoint"]["dry_run"] is True
+    dry_rule = dataclasses.replace(
+        rules[0], dry_run=frozenset({"webhook", "checkpoint", "shed", "alertmanager"})
+    )
+    dry = d.dispatch(dataclasses.replace(alert, rule=dry_rule), now)
+    assert dry.record["dispatched"]["webhook"] == "dry_run" and len(webhook.sent) == 1
+    assert dry.record["dispatched"]["checkpoint"]["dry_run"] is True
     # a forecast read long after its sample (a backlog) sends no command
-    old = dict(payload, observed_at=now - 3600)
-    d.submit(old)
-    assert str(old["dispatched"]["checkpoint"]).startswith("stale")
-    assert len(d.outbox) == 4
+    old = d.dispatch(dataclasses.replace(alert, observed_at=now - 3600), now)
+    assert str(old.record["dispatched"]["checkpoint"]).startswith("stale") and not old.commands
     # a repeated shed once the domain is back under target_frac stops nobody else
-    calm = dict(payload, repeat=True, used_bytes=50)
-    d.submit(calm)
-    assert calm["dispatched"]["shed"].startswith("n/a") and len(d.outbox) == 5  # checkpoint only
-    # a broken dispatch is recorded on the alert, never raised into the ingest loop
-    broken = dict(payload, total_bytes="lots")
-    d.submit(broken)
-    assert "error" in broken["dispatched"]
+    calm = d.dispatch(dataclasses.replace(alert, repeat=True, used_bytes=50), now)
+    assert calm.record["dispatched"]["shed"].startswith("n/a")
+    assert [c.action for c in calm.commands] == ["checkpoint"]
+    # a full queue is recorded as a drop, and the alert is not handed over
+    full = Dispatcher(Keys("t"), rules, webhook=FakeNotifier(room=0))
+    assert full.dispatch(alert, now).record["dispatched"]["webhook"] == "dropped"
+    # a broken dispatch is recorded on the alert, never raised into the ingest loop, and
+    # then nothing is sent
+    broken = d.dispatch(dataclasses.replace(alert, total_bytes="lots"), now)
+    assert "error" in broken.record["dispatched"] and broken.commands == ()
+    # nothing given to the dispatcher was changed
+    assert "dispatched" not in alert.to_payload()
 
 
 def test_shedding_is_dry_run_unless_a_rule_says_otherwise() -> None:

@@ -101,7 +101,7 @@ def test_a_domains_alerts_arrive_in_order_despite_retries(webhook_receiver) -> N
 def test_a_receiver_that_is_down_delays_nothing_and_gets_the_alerts_when_back() -> None:
     import time
 
-    from support import WebhookReceiver, free_port
+    from support import WebhookReceiver, free_port, wait_until
 
     port = free_port()  # nothing listens there yet
     results: list[str] = []
@@ -121,7 +121,7 @@ def test_a_receiver_that_is_down_delays_nothing_and_gets_the_alerts_when_back() 
         for i in range(50):  # alerts of 50 domains while the receiver is down
             assert sender.submit({"status": "firing", "node": "n", "device": f"gpu{i}"})
         took = time.perf_counter() - t0
-        await asyncio.sleep(0.5)
+        assert await asyncio.to_thread(wait_until, lambda: "retry" in results, 10)  # it is down
         receiver.append(WebhookReceiver(port))  # it comes back
         await sender.stop(grace_s=10.0)
         return took

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from support import leak_trace, steady_trace, write
 
-from oomcast.model import trace as trace_module
 from oomcast.model.embedding import FEATURES, N_FEATURES, EmbeddingState, tick_rows
 from oomcast.model.forecast import HORIZONS_S
 from oomcast.model.schema import Event, Sample
@@ -74,8 +73,6 @@ def test_sequences_of_trace_takes_a_trace_in_memory_and_names_it(tmp_path: Path)
 
 
 def test_the_1hz_view_sees_a_10_hz_trace_as_a_1_hz_source_would(tmp_path: Path) -> None:
-    if not hasattr(trace_module, "downsample_trace"):
-        pytest.skip("model.trace.downsample_trace is not there yet (another engineer adds it)")
     records = leak_trace(seconds_to_oom=120, interval_s=0.1)
     # one spike between whole seconds: the downsampled view must keep it as a peak
     spike_at = 605

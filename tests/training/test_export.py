@@ -82,7 +82,7 @@ def test_streaming_onnx_matches_torch_on_the_whole_window(
 
 
 @pytest.mark.parametrize("batch", [1, 7])
-@pytest.mark.parametrize("steps", [5, 300])
+@pytest.mark.parametrize("steps", [5, pytest.param(300, marks=pytest.mark.slow)])
 def test_onnx_graph_matches_torch_risk_tto_and_state(
     model_file: tuple[Path, OOMForecastNet], batch: int, steps: int
 ) -> None:

@@ -12,18 +12,18 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-from support import oomcast_cmd
+from support import oomcast_cmd, wait_until
 
 from oomcast.collectors.agent import NodeAgent
 from oomcast.collectors.cgroupfs import MemoryCgroup
 from oomcast.collectors.publisher import StreamPublisher
 from oomcast.collectors.sources.cgroup import CgroupSource
+from oomcast.model.schema import Event
 from oomcast.model.trace import load_trace
 from oomcast.model.wire import Keys, decode_event, decode_samples
 
@@ -40,6 +40,12 @@ def trainer_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "oomcast.training.leaky_trainer", *args]
 
 
+def oom_events(client: redis.Redis, keys: Keys) -> list[Event]:
+    events = [decode_event(f) for _, f in client.xrange(keys.events)]
+    return [e for e in events if e.event == "oom"]
+
+
+@pytest.mark.slow
 def test_leaking_trainer_is_oom_killed_and_the_run_comes_back_as_a_trace(
     job_cgroup: MemoryCgroup, redis_url: str, key_prefix: str, tmp_path: Path
 ) -> None:
@@ -73,7 +79,8 @@ def test_leaking_trainer_is_oom_killed_and_the_run_comes_back_as_a_trace(
     finally:
         if proc.poll() is None:
             proc.kill()
-        time.sleep(0.6)  # two more ticks of the agent: it reads the kill counter
+        # the agent reads the kill counter on a later tick and publishes the oom event
+        wait_until(lambda: oom_events(client, keys), timeout_s=15)
         stop.set()
         watcher.join(15)
     log = out.decode(errors="replace")
@@ -82,8 +89,7 @@ def test_leaking_trainer_is_oom_killed_and_the_run_comes_back_as_a_trace(
     assert job_cgroup.oom_kills() >= 1
 
     # the OOM is in Redis, as the kernel decided it, on the job's cgroup
-    events = [decode_event(f) for _, f in client.xrange(keys.events)]
-    ooms = [e for e in events if e.event == "oom"]
+    ooms = oom_events(client, keys)
     assert [(e.node, e.device) for e in ooms] == [(node, f"cgroup:/{job_cgroup.name}")]
     # both the agent's cgroup samples and the hook's per-step samples reached the stream
     devices: set[str] = set()

@@ -137,6 +137,7 @@ def card(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
     return result
 
 
+@pytest.mark.slow
 def test_every_set_scores_the_model_and_every_baseline(card: dict[str, Any]) -> None:
     assert set(card["sets"]) == set(SETS)
     names = set(card["sets"]["corpus_test_10hz"]["detectors"])
@@ -155,6 +156,7 @@ def test_every_set_scores_the_model_and_every_baseline(card: dict[str, Any]) -> 
     assert set(card["seconds"]) == {*SETS, "model_risks", "figures", "total"}
 
 
+@pytest.mark.slow
 def test_corpus_counts_by_hand(card: dict[str, Any]) -> None:
     for name in CORPUS_SETS:
         dets = card["sets"][name]["detectors"]
@@ -223,6 +225,7 @@ def test_corpus_counts_by_hand(card: dict[str, Any]) -> None:
         }
 
 
+@pytest.mark.slow
 def test_simulated_counts_by_hand(card: dict[str, Any]) -> None:
     for name in SIM_SETS:
         dets = card["sets"][name]["detectors"]
@@ -268,6 +271,7 @@ def test_simulated_counts_by_hand(card: dict[str, Any]) -> None:
         assert dets[THR95]["at_30s"]["false_alarms"] == 0
 
 
+@pytest.mark.slow
 def test_the_10s_figures_come_from_the_same_pass(card: dict[str, Any]) -> None:
     for s in card["sets"].values():
         for d in s["detectors"].values():
@@ -285,6 +289,7 @@ def test_the_10s_figures_come_from_the_same_pass(card: dict[str, Any]) -> None:
             )
 
 
+@pytest.mark.slow
 def test_baselines_at_the_models_false_alarms(card: dict[str, Any]) -> None:
     for name, cmp in card["quietest_baseline_at_model_fa"].items():
         dets = card["sets"][name]["detectors"]
@@ -308,6 +313,7 @@ def test_baselines_at_the_models_false_alarms(card: dict[str, Any]) -> None:
     assert corpus[THR95] == {"false_alarms": 0, "growth_recall_30s": 0.0}
 
 
+@pytest.mark.slow
 def test_reliability_counts_every_known_tick(card: dict[str, Any]) -> None:
     rel = card["reliability"]["corpus_test_10hz"]
     assert set(rel) == {str(h) for h in HORIZONS_S}
@@ -327,6 +333,7 @@ def test_reliability_counts_every_known_tick(card: dict[str, Any]) -> None:
                 assert r["lo"] <= r["mean_predicted"] <= r["hi"]
 
 
+@pytest.mark.slow
 def test_figures_and_examples(card: dict[str, Any]) -> None:
     assert set(card["figures"]) == set(FIGURES)
     for key, path in card["figures"].items():
@@ -343,6 +350,7 @@ def test_figures_and_examples(card: dict[str, Any]) -> None:
     assert card["risk_examples"][0]["oom_ts"] == T0 + 200
 
 
+@pytest.mark.slow
 def test_cli_card(model: Path, tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path / "corpus")
     sim_test = write_sim(tmp_path / "sim")

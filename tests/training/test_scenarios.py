@@ -68,6 +68,7 @@ def test_same_parameters_same_trace(cache: Path) -> None:
     assert a == b
 
 
+@pytest.mark.slow
 def test_oom_families_oom_and_safe_families_do_not(cache: Path) -> None:
     for family in OOM_FAMILIES:
         outcomes = [simulate_scenario(draw_params(family, s), cache)[1]["ooms"] for s in range(4)]

@@ -12,6 +12,7 @@ from oomcast.training.scenarios import GROWTH_FAMILIES, SAFE_FAMILIES
 from oomcast.training.simulate import SPLITS, simulate, split_of
 
 
+@pytest.mark.slow
 def test_simulate_writes_split_labelled_traces(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     manifest = simulate(tmp_path / "a", n=12, seed=5, workers=2, cache_dir=cache)
@@ -53,6 +54,7 @@ def test_split_is_a_function_of_the_combination() -> None:
     assert split_of("mlp", 16) == split_of("mlp", 16)
 
 
+@pytest.mark.slow
 def test_cli_simulate_then_evaluate(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "oomcast.service.cli"]
     done = subprocess.run(

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter, HTTPException, Query
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -16,7 +16,9 @@ router = APIRouter(tags=["alerts"], dependencies=[Authorized])
 async def list_alerts(ctx: Ctx, limit: int = Query(100, ge=1, le=10_000)) -> dict[str, Any]:
     """Recent alerts, newest first, from the ``oomcast:alerts`` audit stream."""
     try:
-        entries = await ctx.redis.xrevrange(ctx.keys.alerts, count=limit)
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = cast(
+            Any, await ctx.redis.xrevrange(ctx.keys.alerts, count=limit)
+        )
     except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
         raise HTTPException(503, f"Redis is unreachable: {exc}") from None
     out = []

@@ -15,7 +15,7 @@ router = APIRouter(tags=["devices"], dependencies=[Authorized])
 @router.get("/devices")
 async def list_devices(ctx: Ctx, limit: int = Query(1000, ge=1, le=100_000)) -> dict[str, Any]:
     """Every live memory domain with its latest forecast, riskiest first."""
-    horizon = ctx.live.policy.rule.horizon_s
+    horizon = ctx.live.horizon_s
     states = ctx.live.ranked(time.time(), ctx.settings.live_after_s)
     return {
         "alert_horizon_s": horizon,
@@ -32,7 +32,7 @@ async def get_device(
     st = ctx.live.domains.get((node, device))
     if st is None or st.forecast is None:
         raise HTTPException(404, f"no live domain {node}/{device}")
-    horizon = ctx.live.policy.rule.horizon_s
+    horizon = ctx.live.horizon_s
     points = list(st.history)[-history:] if history else []
     out = st.summary(horizon)
     out["history"] = [

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter, HTTPException
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -27,7 +27,7 @@ async def ingest_samples(body: SamplesBody, ctx: Ctx) -> dict[str, Any]:
     for node, payloads in by_node.items():
         pipe.xadd(
             ctx.keys.samples_for(node),
-            encode_samples(node, payloads),
+            cast(Any, encode_samples(node, payloads)),  # redis-py's stub wants a wider dict
             maxlen=ctx.settings.stream_maxlen,
             approximate=True,
         )

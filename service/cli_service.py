@@ -1,0 +1,135 @@
+"""The subcommands of the service itself: ``serve``, ``demo`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from oomcast.model.wire import redis_url_from_env
+from oomcast.service.cli_common import UsageError
+from oomcast.service.settings import CommandEnv
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    from pydantic import ValidationError
+
+    from oomcast.service.main import create_app
+    from oomcast.service.settings import Settings
+
+    try:
+        settings = Settings()
+    except ValidationError as exc:  # a bad OOMCAST_* value or rule file: say which, and stop
+        problems = [str(e["msg"]).removeprefix("Value error, ") for e in exc.errors()]
+        raise UsageError("; ".join(problems)) from None
+    app = create_app(settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    url = args.redis_url or redis_url_from_env()
+    result: dict[str, Any]
+    if args.what == "inference":
+        from oomcast.service.bench import bench_inference
+
+        model, weights = _bench_model(args.model)
+        result = bench_inference(model, seconds=args.seconds, weights=weights)
+    elif args.what == "hook":
+        from oomcast.collectors.hook import bench_hook
+
+        result = bench_hook(args.steps, url)
+    else:
+        import redis
+
+        from oomcast.collectors.bench import bench_agent
+
+        try:
+            result = bench_agent(url, seconds=args.seconds, hz=args.hz, domains=args.domains)
+        except redis.RedisError as exc:
+            raise UsageError(f"bench agent needs a Redis at {url}: {exc}") from None
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:40} {value}")
+    return 0
+
+
+def _bench_model(path: str | None) -> tuple[Path, str]:
+    """The model to time and what its weights are: given, shipped, or (with neither) an
+    untrained network of the same shape, exported by ``oomcast.training`` (speed does not
+    depend on the weights; this needs torch)."""
+    from oomcast.model.runtime import DEFAULT_MODEL
+
+    if path:
+        return Path(path), "given"
+    if DEFAULT_MODEL.is_file():
+        return DEFAULT_MODEL, "shipped"
+    import atexit
+    import shutil
+    import tempfile
+
+    import torch
+
+    from oomcast.model.network import NetConfig, OOMForecastNet
+    from oomcast.training.export import export
+    from oomcast.training.train import Rule, save_checkpoint
+
+    tmp = Path(tempfile.mkdtemp(prefix="oomcast-bench-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    torch.manual_seed(0)
+    save_checkpoint(tmp / "c.pt", OOMForecastNet(NetConfig()), Rule(60, 0.5, 0, 0, 0))
+    return export(tmp / "c.pt", tmp / "bench.onnx", version="bench-untrained"), "untrained"
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from oomcast.service.demo import run_demo
+
+    return run_demo(
+        redis_url=args.env.redis_url,
+        duration_s=args.duration,
+        live=not args.plain,
+        port=args.port,
+        speed=args.speed,
+        private_redis=args.private_redis,
+    )
+
+
+def add_parsers(sub: Any, env: CommandEnv) -> None:
+    d = sub.add_parser("demo", help="the whole system on this machine, with a live view")
+    d.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    d.add_argument("--plain", action="store_true", help="print lines instead of a live table")
+    d.add_argument("--port", type=int, default=0, help="service port (default: a free one)")
+    d.add_argument("--speed", type=float, default=1.0, help="simulated jobs run this much faster")
+    d.add_argument(
+        "--private-redis",
+        action="store_true",
+        help="always start a private redis-server, even if one is configured or running",
+    )
+    d.set_defaults(func=cmd_demo, env=env)
+
+    s = sub.add_parser("serve", help="run the service")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.set_defaults(func=cmd_serve)
+
+
+def add_bench_parser(sub: Any) -> None:
+    b = sub.add_parser("bench", help="measure a hot path")
+    b.add_argument(
+        "what",
+        choices=["inference", "hook", "agent"],
+        help="inference: the forecaster per sample; hook: the in-process hook's step();"
+        " agent: the node agent's CPU use",
+    )
+    b.add_argument("--model", help="ONNX model (default: shipped, else an untrained one)")
+    b.add_argument("--seconds", type=float, default=2.0, help="per measurement (agent: total)")
+    b.add_argument("--steps", type=int, default=20_000, help="hook: steps timed")
+    b.add_argument("--hz", type=float, default=10.0, help="agent: sampling rate")
+    b.add_argument("--domains", type=int, default=8, help="agent: memory cgroups watched")
+    b.add_argument("--redis-url", default=None, help="hook, agent: default $OOMCAST_REDIS_URL")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench)

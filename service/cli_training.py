@@ -1,0 +1,320 @@
+"""The subcommands that run ``oomcast.training`` (imported inside each command, so the
+service image, which has no torch, never loads it): ``dump``, ``simulate``, ``evaluate``,
+``train``, ``export``, ``card``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from oomcast.model.wire import redis_url_from_env
+from oomcast.service.cli_common import (
+    CORPUS_TRACES,
+    HOST_TRACES,
+    PROG,
+    UsageError,
+    keys_from_env,
+)
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    import redis
+
+    from oomcast.training.from_redis import dump_trace
+
+    url = args.redis_url or redis_url_from_env()
+    client = redis.Redis.from_url(url, socket_connect_timeout=2.0)
+    try:
+        result = dump_trace(
+            client,
+            keys_from_env(),
+            args.node,
+            args.out,
+            devices=set(args.device) if args.device else None,
+            since=args.since,
+            until=args.until,
+        )
+    except redis.RedisError as exc:
+        raise UsageError(f"cannot read from Redis at {url}: {exc}") from None
+    print(
+        f"wrote {result.path}: {result.samples} samples of {len(result.domains)} domains"
+        f" ({', '.join(result.domains)}), {result.events} events ({result.ooms} oom);"
+        f" skipped {result.skipped_entries} bad entries, {result.duplicates} duplicates"
+    )
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    if not args.out and not args.figures:
+        raise UsageError("give --out DIR (traces) or --figures DIR (PNGs)")
+    from oomcast.training.simulate import simulate
+
+    if args.figures:
+        from oomcast.training.figures import plot_families
+
+        for path in plot_families(args.figures, args.cache):
+            print(f"wrote {path}")
+        return 0
+    manifest = simulate(
+        args.out,
+        n=args.n,
+        seed=args.seed,
+        workers=args.workers,
+        cache_dir=args.cache,
+        overwrite=args.overwrite,
+    )
+    ooms = sum(1 for t in manifest["traces"] if t["ooms"])
+    splits = ", ".join(f"{k} {v}" for k, v in manifest["splits"].items())
+    print(
+        f"wrote {manifest['n']} traces ({ooms} end in OOM; {splits}) and manifest.json to"
+        f" {args.out} in {manifest['seconds']}s"
+    )
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from oomcast.model.baselines import baseline_detectors
+    from oomcast.model.trace import find_traces
+    from oomcast.training.evaluate import evaluate, format_table
+
+    paths: list[Path] = []
+    for given in args.traces:
+        path = Path(given)
+        if path.is_dir():
+            found = find_traces(path)
+            if not found:
+                raise UsageError(f"--traces {given}: no traces (*.jsonl, *.jsonl.gz) in it")
+            paths += found
+        elif path.is_file():
+            paths.append(path)
+        else:
+            raise UsageError(f"--traces {given}: not a folder or file")
+    detectors = list(baseline_detectors())
+    model = _model_detector(args.model)
+    if model is not None:
+        detectors.insert(0, model)
+    if args.resample_s is not None and not 0 < args.resample_s < float("inf"):
+        raise UsageError(f"--resample-s {args.resample_s:g}: must be a positive number of seconds")
+    result = evaluate(
+        detectors,
+        paths,
+        min_lead_s=args.min_lead,
+        view=args.view,
+        resample_s=args.resample_s,
+        per_trace=args.per_trace,
+        by_cause=args.by_cause,
+    )
+    print(
+        json.dumps(result, indent=None if args.json else 1) if args.json else format_table(result)
+    )
+    return 0
+
+
+def _model_detector(path: str | None) -> Any:
+    """The model as a detector (named ``model``), or None with a note when there is none."""
+    from oomcast.model.forecast import Detector
+    from oomcast.model.runtime import DEFAULT_MODEL, ModelLoadError, OnnxForecaster
+
+    try:
+        fc = OnnxForecaster(path or DEFAULT_MODEL)
+    except ModelLoadError as exc:
+        if path:
+            raise UsageError(str(exc)) from None
+        print(f"{PROG} evaluate: no model scored ({exc}); baselines only", file=sys.stderr)
+        return None
+    return Detector("model", fc, fc.rule)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from oomcast.model.trace import find_traces
+    from oomcast.training.train import Sources, train
+
+    sim = Path(args.data) if args.data else None
+    if sim is not None:
+        for folder in (sim / "train", sim / "val"):
+            if not folder.is_dir():
+                raise UsageError(f"{folder}: not a folder of traces (run oomcast simulate first)")
+    corpus = Path(args.corpus) if args.corpus else None
+    if corpus is not None and not (corpus / "manifest.json").is_file():
+        raise UsageError(f"--corpus {corpus}: no manifest.json there")
+    host = Path(args.host_traces) if args.host_traces else None
+    if host is not None and not host.is_dir():
+        raise UsageError(f"--host-traces {host}: no such folder")
+    extra = [Path(p) for p in args.extra_train]
+    for path in extra:
+        if not path.exists():
+            raise UsageError(f"--extra-train {path}: no such file or folder")
+    sources = Sources(
+        sim=sim,
+        corpus=corpus,
+        host=host,
+        extra=[f for p in extra for f in (find_traces(p) if p.is_dir() else [p])],
+        shapes=args.shapes,
+        nvml_views=not args.no_nvml_views,
+    )
+    train(
+        sources,
+        args.out,
+        epochs=args.epochs,
+        seed=args.seed,
+        max_minutes=args.max_minutes,
+        patience=args.patience,
+        progress=not args.no_progress,
+    )
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from oomcast.training.export import export
+
+    if not Path(args.checkpoint).is_file():
+        raise UsageError(f"--checkpoint {args.checkpoint}: no such file")
+    path = export(args.checkpoint, args.out, version=args.version)
+    print(f"wrote {path} ({path.stat().st_size} bytes)")
+    return 0
+
+
+def cmd_card(args: argparse.Namespace) -> int:
+    from oomcast.training.model_card import build
+
+    if not Path(args.model).is_file():
+        raise UsageError(f"--model {args.model}: no such file")
+    if not Path(args.sim_test).is_dir():
+        raise UsageError(f"--sim-test {args.sim_test}: no such folder")
+    if not (Path(args.corpus) / "manifest.json").is_file():
+        raise UsageError(f"--corpus {args.corpus}: no manifest.json there")
+    result = build(
+        args.model,
+        sim_test=args.sim_test,
+        corpus=args.corpus,
+        figures_dir=args.figures,
+        out_json=args.out,
+    )
+    if args.out:
+        figures = ", ".join(result["figures"].values())
+        print(f"wrote {args.out} and {figures} in {result['seconds']['total']:.0f}s")
+    else:
+        print(json.dumps(result, indent=1))
+    return 0
+
+
+def add_parsers(sub: Any) -> None:
+    du = sub.add_parser(
+        "dump",
+        help="write what a node streamed to Redis as a labelled trace",
+        description="Read one node's samples and events back from Redis into a trace file"
+        " (.jsonl or .jsonl.gz) that evaluate and train read.",
+    )
+    du.add_argument("--node", required=True)
+    du.add_argument("--out", required=True, help="trace file to write")
+    du.add_argument("--device", action="append", help="only this device (repeatable)")
+    du.add_argument(
+        "--since", type=float, default=None, help="unix time Redis received the first entry"
+    )
+    du.add_argument("--until", type=float, default=None, help="unix time to stop at (ditto)")
+    du.add_argument("--redis-url", default=None, help="default: $OOMCAST_REDIS_URL")
+    du.set_defaults(func=cmd_dump)
+
+    m = sub.add_parser("simulate", help="write labelled traces (train/val/test split)")
+    m.add_argument("--out", help="folder for the traces and manifest.json")
+    m.add_argument("--n", type=int, default=200)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    m.add_argument("--cache", default="data/captures", help="where captured allocation logs go")
+    m.add_argument("--figures", help="instead: write one PNG per scenario family here")
+    m.add_argument("--overwrite", action="store_true", help="replace traces already in --out")
+    m.set_defaults(func=cmd_simulate)
+
+    e = sub.add_parser("evaluate", help="score the forecasters on a folder of traces")
+    e.add_argument(
+        "--traces", required=True, nargs="+", help="folders of traces and/or trace files"
+    )
+    e.add_argument("--min-lead", type=float, default=10.0, help="seconds of warning that count")
+    e.add_argument(
+        "--view",
+        choices=["full", "nvml"],
+        default="full",
+        help="nvml: score GPU samples as NVML alone reports them (no allocator figures)",
+    )
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.add_argument("--model", help="ONNX model to score (default: the shipped one, if any)")
+    e.add_argument(
+        "--per-trace",
+        metavar="FILE",
+        help="also write one JSON line per trace and detector (alert, lead, time-to-OOM checks)",
+    )
+    e.add_argument(
+        "--resample-s",
+        type=float,
+        metavar="S",
+        help="first downsample every trace to one sample per S seconds (peaks kept)",
+    )
+    e.add_argument(
+        "--by-cause",
+        action="store_true",
+        help="also score per cause, as the traces' manifest.json names them",
+    )
+    e.set_defaults(func=cmd_evaluate)
+
+    t = sub.add_parser(
+        "train",
+        help="train the LSTM on simulated GPUs, the real-run corpus and plain shapes",
+        description="Train the forecaster. Validation (epoch, calibration and alert rule) uses"
+        " the simulated val split and the corpus's validation programs; the corpus's test"
+        " programs and the simulated test split are never read.",
+    )
+    t.add_argument(
+        "--data", default="data/sim", help="folder written by oomcast simulate ('' for none)"
+    )
+    t.add_argument(
+        "--corpus",
+        default=str(CORPUS_TRACES),
+        help="the recorded real-run corpus, split by program ('' for none; default: %(default)s)",
+    )
+    t.add_argument(
+        "--host-traces",
+        default=str(HOST_TRACES),
+        help="the first recorded host traces, all used for training ('' for none)",
+    )
+    t.add_argument(
+        "--shapes", type=int, default=1200, help="plain shapes added to training (default 1200)"
+    )
+    t.add_argument("--out", default="runs/latest", help="where the checkpoint goes")
+    t.add_argument(
+        "--extra-train", nargs="*", default=[], help="more traces (files or folders) to train on"
+    )
+    t.add_argument("--epochs", type=int, default=40, help="default %(default)s")
+    t.add_argument(
+        "--patience", type=int, default=10, help="stop after this many epochs without progress"
+    )
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    t.add_argument(
+        "--no-nvml-views",
+        action="store_true",
+        help="train on the simulated GPUs as the hook sees them only (by default each GPU trace"
+        " is also shown as NVML alone sees it, without allocator figures)",
+    )
+    t.add_argument("--max-minutes", type=float, default=30.0, help="default %(default)s")
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=cmd_train)
+
+    x = sub.add_parser("export", help="export a checkpoint to ONNX")
+    x.add_argument("--checkpoint", default="runs/latest/checkpoint.pt")
+    x.add_argument("--out", default="model/oomcast-lstm.onnx")
+    x.add_argument("--version", default="lstm-dev")
+    x.set_defaults(func=cmd_export)
+
+    c = sub.add_parser(
+        "card", help="measure a model and the baselines on held-out traces: tables and figures"
+    )
+    c.add_argument("--model", default="model/oomcast-lstm.onnx")
+    c.add_argument("--sim-test", default="data/sim/test", help="the simulated test split")
+    c.add_argument(
+        "--corpus", default=str(CORPUS_TRACES), help="the recorded corpus (its test programs)"
+    )
+    c.add_argument("--figures", default="docs/figures", help="where the PNGs go")
+    c.add_argument("--out", help="write the numbers here as JSON (default: print them)")
+    c.set_defaults(func=cmd_card)

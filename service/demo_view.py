@@ -1,0 +1,118 @@
+"""The demo's live view: the service's table of domains, read over its REST API, and the
+webhooks as the receiver got them (a ``rich`` table, or plain lines with ``--plain``)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from oomcast.service.demo_inbox import WebhookInbox
+from oomcast.service.demo_summary import Oom
+
+GIB = 1 << 30
+
+
+def _fmt_tto(t: float | None) -> str:
+    return "-" if t is None else f"{t:5.0f}s"
+
+
+def _alert_line(alert: dict[str, Any], signed: bool) -> str:
+    when = time.strftime("%H:%M:%S", time.localtime(alert.get("sent_at") or time.time()))
+    sig = "signature ok" if signed else "BAD SIGNATURE"
+    tto = alert.get("time_to_oom_s")
+    tto_s = "" if tto is None else f", OOM in ~{tto:.0f}s"
+    return (
+        f"{when} {alert['status'].upper():8} {alert['node']}/{alert['device']}"
+        f" job={alert.get('job')}{tto_s} ({alert.get('reason')}; {sig})"
+    )
+
+
+def _table(devices: list[dict[str, Any]], horizon: int) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"oomcast demo: GPUs, riskiest first (risk = P(OOM within {horizon}s))")
+    for col in ("node/device", "job", "used", "used %", "risk", "time to OOM", "OOMs", "alert"):
+        table.add_column(col, justify="left" if col in ("node/device", "job", "alert") else "right")
+    for d in devices:
+        risk = d["alert_risk"]
+        style = "bold red" if d["alert"]["firing"] else ("yellow" if risk > 0 else "")
+        table.add_row(
+            f"{d['node']}/{d['device']}",
+            str(d.get("job") or "(restarting)"),
+            f"{d['used_bytes'] / GIB:.1f}/{d['total_bytes'] / GIB:.0f} GiB",
+            f"{d['used_frac']:.0%}",
+            f"{risk:.2f}",
+            _fmt_tto(d["time_to_oom_s"]),
+            str(d["ooms_seen"]),
+            "FIRING" if d["alert"]["firing"] else "ok",
+            style=style,
+        )
+    return table
+
+
+def watch(
+    base: str, inbox: WebhookInbox, stop: threading.Event, duration_s: float | None, live: bool
+) -> list[Oom]:
+    """Show the service's view until stopped; returns the OOMs the service saw.
+
+    Each OOM's time is the ``ts`` of the collector's ``oom`` event, which the service keeps
+    as the domain's ``last_oom_ts`` (``GET /v1/devices``), polled every half second; a
+    simulated job takes 20 s (over ``--speed``) to restart, so at any sensible speed no OOM
+    goes by between two polls. OOMs after the last poll are known from their alerts only."""
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.text import Text
+
+    console = Console()
+    end = None if duration_s is None else time.monotonic() + duration_s
+    shown = 0
+    client = httpx.Client(base_url=base, timeout=2)
+    ctx = Live(console=console, refresh_per_second=4) if live else contextlib.nullcontext()
+    ooms: list[Oom] = []
+    seen: set[tuple[str, str, float]] = set()
+    try:
+        with ctx as view:
+            last_plain = 0.0
+            while not stop.is_set() and (end is None or time.monotonic() < end):
+                try:
+                    data = client.get("/v1/devices").json()
+                except httpx.HTTPError:
+                    data = {"devices": [], "alert_horizon_s": 60}
+                for d in data["devices"]:
+                    key = (d["node"], d["device"], d.get("last_oom_ts"))
+                    if key[2] is not None and key not in seen:
+                        seen.add(key)
+                        ooms.append(Oom(d["node"], d["device"], float(key[2]), d.get("job")))
+                received = inbox.snapshot()
+                if view is not None:
+                    lines = [_alert_line(a, ok) for a, ok in received[-8:]]
+                    body = Text("\n".join(lines) or "no alerts yet", style="dim")
+                    view.update(
+                        Group(
+                            _table(data["devices"], data["alert_horizon_s"]),
+                            Text("webhooks received:"),
+                            body,
+                        )
+                    )
+                else:
+                    for alert, ok in received[shown:]:
+                        print(_alert_line(alert, ok), flush=True)
+                    shown = len(received)
+                    if time.monotonic() - last_plain > 5:
+                        last_plain = time.monotonic()
+                        for d in data["devices"]:
+                            print(
+                                f"  {d['node']}/{d['device']}: {d['used_frac']:.0%} used,"
+                                f" risk {d['alert_risk']:.2f}, OOMs {d['ooms_seen']}",
+                                flush=True,
+                            )
+                stop.wait(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        client.close()
+    return ooms

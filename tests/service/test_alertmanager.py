@@ -263,6 +263,7 @@ def test_firing_alert_appears_with_labels_and_annotations(am: Alertmanager) -> N
     }
 
 
+@pytest.mark.slow
 def test_resent_while_firing_and_gone_once_resolved(am: Alertmanager) -> None:
     results: list[str] = []
 
@@ -460,6 +461,7 @@ def test_summary_without_a_time_to_oom_and_timestamps() -> None:
     assert rfc3339(1.2345) == "1970-01-01T00:00:01.234Z"
 
 
+@pytest.mark.slow
 def test_the_service_pushes_a_rule_alert_that_alertmanager_shows(
     am: Alertmanager, redis_url: str, key_prefix: str, tmp_path: Path
 ) -> None:

@@ -17,6 +17,7 @@ the alerts the webhook receiver got against the OOMs the service saw.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import secrets
 import shutil
 import signal
@@ -52,6 +53,7 @@ NODES: tuple[tuple[str, tuple[str, ...], int], ...] = (
 )
 GPUS_PER_NODE = 4
 SAMPLE_INTERVAL_S = 0.5
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class DemoError(RuntimeError):
@@ -235,7 +237,12 @@ def run_demo(
 ) -> int:
     started_at = time.time()  # "t+" in the summary counts from here
     stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    # Ctrl-C and SIGTERM both set ``stop``: the view loop ends at its next turn and everything
+    # is stopped in order. A KeyboardInterrupt raised at whatever line the main thread was on
+    # could leave a lock or a half-closed client behind and hang the way out.
+    previous = {sig: signal.signal(sig, lambda *a: stop.set()) for sig in STOP_SIGNALS}
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: how to see a stuck demo.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     say: Callable[[str], object] = print
     secret = secrets.token_hex(16)
     try:
@@ -271,5 +278,7 @@ def run_demo(
         print(f"oomcast demo: error: {exc}", file=sys.stderr)
         return 2
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        faulthandler.unregister(signal.SIGUSR1)
     return 0

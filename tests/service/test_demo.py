@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -85,7 +86,16 @@ def test_ctrl_c_stops_everything_it_started(tmp_path: Path) -> None:
 
     assert wait_until(streaming, 30)
     os.killpg(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # the demo prints every thread's stack
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=3)  # collects the stacks (it does not exit by itself)
+        proc.kill()
+        out, err = proc.communicate()
+        stacks = err[-6000:]
+        raise AssertionError(f"the demo did not stop within 60 s of Ctrl-C:\n{stacks}") from None
     assert proc.returncode == 0, err
     assert "demo over:" in out
     assert "Traceback" not in err

@@ -130,3 +130,12 @@ class Detector:
     name: str
     forecaster: Forecaster
     rule: AlertRule
+
+
+def rule_fire_risk(rule: dict[str, Any]) -> float:
+    """The firing risk of a rule stored with a model or checkpoint: ``fire_risk``, or
+    ``threshold`` in files written before the name was settled (lstm-2026.12.01 and older)."""
+    value = rule.get("fire_risk", rule.get("threshold"))
+    if value is None:
+        raise KeyError("the stored rule has no fire_risk")
+    return float(value)

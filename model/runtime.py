@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from oomcast.model.embedding import EMBEDDING_VERSION, TICK_TOLERANCE, EmbeddingState
-from oomcast.model.forecast import AlertRule, Forecast, RiskRow
+from oomcast.model.forecast import AlertRule, Forecast, RiskRow, rule_fire_risk
 from oomcast.model.schema import Sample
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class OnnxForecaster:
                 f" computes v{EMBEDDING_VERSION}"
             )
         self.rule = AlertRule(
-            int(rule["horizon_s"]), float(rule["threshold"]), int(rule.get("fire_after", 1))
+            int(rule["horizon_s"]), rule_fire_risk(rule), int(rule.get("fire_after", 1))
         )
         self.tick_s = float(meta.get("oomcast.tick_s", "1.0"))
         # a time to OOM is reported once the risk within the longest horizon reaches this

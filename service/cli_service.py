@@ -76,12 +76,12 @@ def _bench_model(path: str | None) -> tuple[Path, str]:
 
     from oomcast.model.network import NetConfig, OOMForecastNet
     from oomcast.training.export import export
-    from oomcast.training.train import Rule, save_checkpoint
+    from oomcast.training.train import ScoredRule, save_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="oomcast-bench-"))
     atexit.register(shutil.rmtree, tmp, True)
     torch.manual_seed(0)
-    save_checkpoint(tmp / "c.pt", OOMForecastNet(NetConfig()), Rule(60, 0.5, 0, 0, 0))
+    save_checkpoint(tmp / "c.pt", OOMForecastNet(NetConfig()), ScoredRule(60, 0.5, 0, 0, 0))
     return export(tmp / "c.pt", tmp / "bench.onnx", version="bench-untrained"), "untrained"
 
 

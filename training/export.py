@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from oomcast.model.embedding import FEATURES
+from oomcast.model.forecast import rule_fire_risk
 from oomcast.model.network import SequenceModule
 from oomcast.training.train import load_checkpoint
 
@@ -69,7 +70,7 @@ def export(
         "oomcast.hidden": str(cfg.hidden),
         "oomcast.rule": json.dumps(ckpt["rule"]),
         "oomcast.tick_s": str(cfg.tick_s),
-        "oomcast.tto_min_risk": str(min(0.5, float(ckpt["rule"]["threshold"]))),
+        "oomcast.tto_min_risk": str(min(0.5, rule_fire_risk(ckpt["rule"]))),
         "oomcast.trained": json.dumps(
             {
                 "epoch": ckpt["epoch"],

@@ -6,7 +6,7 @@ and seen at 1 Hz), the first host traces and plain shapes. Every sequence is run
 first tick, as the service runs a domain; the exposure is the traces' own (most ticks are
 far from any OOM), with runs that never OOM drawn twice as often. After each epoch the
 risks are calibrated per horizon on the validation split, and the alert rule (horizon, risk
-threshold, consecutive ticks) is chosen there, under a false-alarm ceiling that holds for
+fire_risk, consecutive ticks) is chosen there, under a false-alarm ceiling that holds for
 every validation source. Weights, calibration, optimizer, config, feature-schema version
 and rule are saved together, so a checkpoint explains itself.
 """
@@ -42,13 +42,16 @@ MIN_THRESHOLD = 0.02  # below this a "risk" is noise, whatever the validation sp
 
 
 @dataclass
-class Rule:
+class ScoredRule:
+    """A candidate alert rule and what it scored on the validation split (the one kept is
+    shipped in the model as ``model.forecast.AlertRule``)."""
+
     horizon_s: int
-    threshold: float
+    fire_risk: float
     recall_30: float
     recall_10: float
     false_alarm_rate: float
-    fire_after: int = 1  # consecutive samples at or above the threshold
+    fire_after: int = 1  # consecutive samples at or above fire_risk
 
 
 # Rules fire on one tick: a rule counted in consecutive samples would mean 0.2 s at 10 Hz and
@@ -88,7 +91,7 @@ def predict_sequences(
 
 def score_rules(
     seqs: list[Sequence], risks: list[np.ndarray], max_false_alarms: float = 0.02
-) -> list[Rule]:
+) -> list[ScoredRule]:
     """For every horizon, the lowest risk threshold that alerts on at most
     ``max_false_alarms`` of the OOM-free sequences of *every* group (a rule must be quiet on
     each source), and the recall at 30 s and 10 s it buys, counted as ``oomcast evaluate``
@@ -101,29 +104,29 @@ def score_rules(
             groups.setdefault(s.group, []).append(i)
     rules = []
     for k, h in enumerate(HORIZONS_S):
-        threshold = MIN_THRESHOLD
+        fire_risk = MIN_THRESHOLD
         for ids in groups.values():
             highs = np.sort([float(risks[i][:, k].max()) for i in ids])[::-1]
             # at most that share, rounded to the nearest run: one alarm in 37 runs is 2.7%,
             # and a group of 37 must not be held to none when the ceiling is 2%
             allowed = int(np.floor(max_false_alarms * len(ids) + 0.5))
             if allowed < len(highs):
-                threshold = max(threshold, float(highs[allowed]) + 1e-6)
-        threshold = min(threshold, 1.0)
+                fire_risk = max(fire_risk, float(highs[allowed]) + 1e-6)
+        fire_risk = min(fire_risk, 1.0)
         fa = max(
-            (sum(1 for i in ids if risks[i][:, k].max() >= threshold) / len(ids)
+            (sum(1 for i in ids if risks[i][:, k].max() >= fire_risk) / len(ids)
              for ids in groups.values()),
             default=0.0,
         )  # fmt: skip
         caught30 = caught10 = 0
         for i in ooms:
-            fired = risks[i][:, k] >= threshold
+            fired = risks[i][:, k] >= fire_risk
             lead = seqs[i].tto[fired]
             if len(lead):
                 caught30 += bool(lead.max() >= 30)
                 caught10 += bool(lead.max() >= 10)
         n = max(1, len(ooms))
-        rules.append(Rule(h, round(threshold, 6), caught30 / n, caught10 / n, fa, 1))
+        rules.append(ScoredRule(h, round(fire_risk, 6), caught30 / n, caught10 / n, fa, 1))
     return rules
 
 
@@ -137,7 +140,7 @@ def first_run(fired: np.ndarray, n: int) -> int | None:
     return int(hit[0]) if len(hit) else None
 
 
-def best_rule(rules: list[Rule], max_false_alarms: float) -> Rule:
+def best_rule(rules: list[ScoredRule], max_false_alarms: float) -> ScoredRule:
     """The rule that catches most OOMs 30 s ahead (then 10 s ahead). ``score_rules`` already
     holds every rule to the false-alarm ceiling (rounded to the nearest run per group);
     rules from elsewhere over ``max_false_alarms`` by more than that rounding are left out."""
@@ -146,7 +149,7 @@ def best_rule(rules: list[Rule], max_false_alarms: float) -> Rule:
         return min(rules, key=lambda r: (r.false_alarm_rate, -r.recall_30))
     return max(
         ok,
-        key=lambda r: (r.recall_30, r.recall_10, -r.false_alarm_rate, -r.fire_after, r.threshold),
+        key=lambda r: (r.recall_30, r.recall_10, -r.false_alarm_rate, -r.fire_after, r.fire_risk),
     )
 
 
@@ -393,7 +396,7 @@ def train(
         log(
             f"epoch {epoch:3d}/{epochs}  loss {np.mean(losses):.4f}  val: recall@30s"
             f" {rule.recall_30:.1%} recall@10s {rule.recall_10:.1%} false alarms"
-            f" {rule.false_alarm_rate:.1%} (risk@{rule.horizon_s}s >= {rule.threshold}"
+            f" {rule.false_alarm_rate:.1%} (risk@{rule.horizon_s}s >= {rule.fire_risk}"
             f" x{rule.fire_after}); tto error @30s {tto_err:.0%}  {elapsed:.1f} min"
         )
         score = (round(rule.recall_30, 3), rule.recall_10, -tto_err)
@@ -467,7 +470,7 @@ def tto_error(net: OOMForecastNet, seqs: list[Sequence], at_s: float = 30.0) -> 
 def save_checkpoint(
     path: Path,
     net: OOMForecastNet,
-    rule: Rule,
+    rule: ScoredRule,
     *,
     optimizer: torch.optim.Optimizer | None = None,
     epoch: int = 0,
@@ -505,7 +508,7 @@ def load_checkpoint(path: Path | str) -> tuple[OOMForecastNet, dict[str, Any]]:
 
 
 __all__ = [
-    "Rule",
+    "ScoredRule",
     "best_rule",
     "first_run",
     "load_checkpoint",

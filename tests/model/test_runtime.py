@@ -96,7 +96,7 @@ def test_export_metadata_carries_the_tick_and_the_tto_floor(trained: tuple[Path,
     path, ckpt = trained
     meta = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
     assert meta["oomcast.tick_s"] == str(float(ckpt["config"]["tick_s"])) == "1.0"
-    want = min(0.5, float(ckpt["rule"]["threshold"]))
+    want = min(0.5, float(ckpt["rule"]["fire_risk"]))
     assert float(meta["oomcast.tto_min_risk"]) == pytest.approx(want)
     assert json.loads(meta["oomcast.rule"]) == ckpt["rule"]
     fc = OnnxForecaster(path)
@@ -232,3 +232,13 @@ def test_time_to_oom_is_none_below_the_floor_at_the_longest_horizon(
         else:
             assert g.time_to_oom_s == f.time_to_oom_s
     assert sum(g.time_to_oom_s is not None for g in gated) == int((risks >= floor).sum())
+
+
+def test_a_stored_rule_is_read_by_its_name_or_by_the_name_older_models_wrote() -> None:
+    from oomcast.model.forecast import rule_fire_risk
+
+    assert rule_fire_risk({"horizon_s": 60, "fire_risk": 0.4}) == 0.4
+    assert rule_fire_risk({"horizon_s": 60, "threshold": 0.7}) == 0.7  # lstm-2026.12.01
+    assert rule_fire_risk({"fire_risk": 0.4, "threshold": 0.7}) == 0.4
+    with pytest.raises(KeyError, match="fire_risk"):
+        rule_fire_risk({"horizon_s": 60})

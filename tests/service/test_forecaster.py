@@ -13,14 +13,15 @@ from oomcast.model.network import NetConfig, OOMForecastNet
 from oomcast.service.main import create_app
 from oomcast.service.settings import Settings
 from oomcast.training.export import export
-from oomcast.training.train import Rule, save_checkpoint
+from oomcast.training.train import ScoredRule, save_checkpoint
 
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     tmp = tmp_path_factory.mktemp("svc-model")
-    save_checkpoint(tmp / "c.pt", OOMForecastNet(NetConfig()), Rule(120, 0.3, 0.9, 0.95, 0.01))
+    rule = ScoredRule(120, 0.3, 0.9, 0.95, 0.01)
+    save_checkpoint(tmp / "c.pt", OOMForecastNet(NetConfig()), rule)
     return export(tmp / "c.pt", tmp / "m.onnx", version="lstm-test")
 
 

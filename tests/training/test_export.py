@@ -17,7 +17,7 @@ from oomcast.model.embedding import EmbeddingState
 from oomcast.model.network import NetConfig, OOMForecastNet
 from oomcast.model.runtime import ModelLoadError, OnnxForecaster
 from oomcast.training.export import export
-from oomcast.training.train import Rule, save_checkpoint
+from oomcast.training.train import ScoredRule, save_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def model_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, OOMForec
         p.data.mul_(3.0)
     net.eval()
     tmp = tmp_path_factory.mktemp("model")
-    save_checkpoint(tmp / "ckpt.pt", net, Rule(60, 0.4, 0.9, 0.95, 0.01), epoch=3)
+    save_checkpoint(tmp / "ckpt.pt", net, ScoredRule(60, 0.4, 0.9, 0.95, 0.01), epoch=3)
     path = export(tmp / "ckpt.pt", tmp / "m.onnx", version="test-1")
     return path, net
 
@@ -183,7 +183,7 @@ def test_an_older_file_without_tick_or_tto_floor_gets_the_defaults(
 
 def test_a_high_threshold_caps_the_tto_floor_at_one_half(tmp_path: Path) -> None:
     net = OOMForecastNet(NetConfig(embed_dim=8, hidden=16, layers=1, tick_s=2.0))
-    save_checkpoint(tmp_path / "ckpt.pt", net, Rule(30, 0.9, 0.5, 0.5, 0.0))
+    save_checkpoint(tmp_path / "ckpt.pt", net, ScoredRule(30, 0.9, 0.5, 0.5, 0.0))
     meta = {
         p.key: p.value
         for p in onnx.load(

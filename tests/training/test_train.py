@@ -20,7 +20,7 @@ from oomcast.model.network import NetConfig, OOMForecastNet
 from oomcast.training import train as train_module
 from oomcast.training.dataset import Sequence
 from oomcast.training.train import (
-    Rule,
+    ScoredRule,
     Sources,
     best_rule,
     calibrate,
@@ -86,19 +86,19 @@ def test_score_rules_picks_the_lowest_threshold_within_the_false_alarm_ceiling()
         rules = score_rules(seqs, risks, ceiling)
         assert [r.horizon_s for r in rules] == list(HORIZONS_S)  # one rule per horizon
         for r in rules:
-            assert r.threshold == pytest.approx(threshold, abs=2e-6), ceiling
-            assert r.threshold > threshold  # strictly above the quiet run it must not fire on
+            assert r.fire_risk == pytest.approx(threshold, abs=2e-6), ceiling
+            assert r.fire_risk > threshold  # strictly above the quiet run it must not fire on
             assert (r.false_alarm_rate, r.recall_30, r.recall_10) == (fa, r30, r10), ceiling
             assert r.fire_after == 1
     # quiet runs that never rise: the floor, not zero (a risk of 0.001 is noise)
     flat = score_rules([oom, *oks], [risks[0]] + [_risks([0.0] * 4)] * 4, 0.0)
-    assert all(r.threshold == train_module.MIN_THRESHOLD for r in flat)
+    assert all(r.fire_risk == train_module.MIN_THRESHOLD for r in flat)
     assert all(r.recall_30 == 1.0 for r in flat)
     # each horizon reads its own column
     per_h = [np.zeros((4, 6)) for _ in seqs]
     per_h[1][1, 2] = 0.9  # a quiet run high at the 30 s horizon only
     rules = {r.horizon_s: r for r in score_rules(seqs, per_h, 0.0)}
-    assert rules[30].threshold == pytest.approx(0.9, abs=2e-6) and rules[60].threshold == 0.02
+    assert rules[30].fire_risk == pytest.approx(0.9, abs=2e-6) and rules[60].fire_risk == 0.02
 
 
 def test_the_false_alarm_ceiling_holds_on_every_source() -> None:
@@ -111,24 +111,24 @@ def test_the_false_alarm_ceiling_holds_on_every_source() -> None:
     risks = [_risks([0.0, 0.8, 0.0]), _risks([0.0] * 3)] + [_risks([0.0, 0.1, 0.0])] * 6
     risks += [_risks([0.5, 0.9, 0.9])]
     (rule, *_) = score_rules(seqs, risks, 0.2)
-    assert rule.threshold == pytest.approx(0.8, abs=2e-6) and rule.false_alarm_rate == 0.0
+    assert rule.fire_risk == pytest.approx(0.8, abs=2e-6) and rule.false_alarm_rate == 0.0
     assert (rule.recall_30, rule.recall_10) == (0.0, 1.0)
     # where no threshold can keep a source quiet (a run at risk 1), the rate reported is
     # that source's, not the pooled one
     risks[0] = _risks([0.0, 1.0, 0.0])
     (rule, *_) = score_rules(seqs, risks, 0.0)
-    assert rule.threshold == 1.0 and rule.false_alarm_rate == 0.5
+    assert rule.fire_risk == 1.0 and rule.false_alarm_rate == 0.5
 
 
 def test_best_rule_falls_back_to_the_quietest_when_none_keeps_the_budget() -> None:
     rules = [
-        Rule(60, 0.5, 0.9, 0.9, 0.3),
-        Rule(30, 0.8, 0.2, 0.4, 0.1),
-        Rule(5, 0.9, 0.5, 0.5, 0.1),
+        ScoredRule(60, 0.5, 0.9, 0.9, 0.3),
+        ScoredRule(30, 0.8, 0.2, 0.4, 0.1),
+        ScoredRule(5, 0.9, 0.5, 0.5, 0.1),
     ]
     assert best_rule(rules, 0.05) is rules[2]  # lowest false alarms, then most recall
     assert best_rule(rules, 0.5) is rules[0]
-    single = [Rule(60, 0.5, 0.5, 0.5, 0.0)]
+    single = [ScoredRule(60, 0.5, 0.5, 0.5, 0.0)]
     assert best_rule(single, 0.0) is single[0]
 
 
@@ -275,8 +275,8 @@ def test_training_writes_a_checkpoint_that_explains_itself(runs: dict[str, Any])
     assert on_disk["optimizer"] is not None and len(on_disk["history"]) == 2
     assert on_disk["config"]["tick_s"] == 1.0 and on_disk["config"]["hidden"] == 16
     rule = on_disk["rule"]
-    assert set(rule) >= {"horizon_s", "threshold", "fire_after", "false_alarm_rate", "recall_30"}
-    assert isinstance(rule["threshold"], float) and 0 < rule["threshold"] < 1
+    assert set(rule) >= {"horizon_s", "fire_risk", "fire_after", "false_alarm_rate", "recall_30"}
+    assert isinstance(rule["fire_risk"], float) and 0 < rule["fire_risk"] < 1
     assert rule["horizon_s"] in on_disk["config"]["horizons_s"]
     # the calibration travels with the weights, and was fitted on the validation split
     cal_a, cal_b = on_disk["weights"]["cal_a"], on_disk["weights"]["cal_b"]

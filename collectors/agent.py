@@ -7,6 +7,11 @@ Each source keeps its own sampling interval (NVML every second, cgroups every se
 replay at its trace's spacing) and returns nothing when it is not due; the agent ticks at
 the shortest of them. A source that raises is counted and logged, and the others go on: one
 broken GPU or an unreadable cgroup must not blind the agent to the rest of the node.
+
+With its node key (``node_key``) the agent signs every sample entry of its own node
+(:func:`oomcast.model.wire.encode_samples`), so the service can tell its samples from ones
+forged in Redis or posted over HTTP; entries of other nodes (a replayed trace of a cluster)
+are sent unsigned: this agent can vouch for its own node only.
 """
 
 from __future__ import annotations
@@ -47,9 +52,13 @@ class NodeAgent:
         interval_s: float = 1.0,
         clock: Callable[[], float] = time.time,
         forget_after_s: float = 600.0,
+        node: str | None = None,
+        node_key: str | None = None,
     ) -> None:
         if not sources:
             raise ValueError("a node agent needs at least one source")
+        if node_key is not None and not (node and node_key):
+            raise ValueError("a node key needs the agent's node name, and must be non-empty")
         if interval_s <= 0:
             raise ValueError(f"interval_s={interval_s} must be positive")
         self.sources = sources
@@ -62,6 +71,23 @@ class NodeAgent:
         self._last_seen: dict[Domain, float] = {}
         self.forget_after_s = forget_after_s
         self._next_sweep = 0.0
+        self.node = node
+        self._node_key = node_key
+        self._unsigned_warned: set[str] = set()
+
+    def __repr__(self) -> str:  # never the key
+        return f"NodeAgent(node={self.node!r}, attesting={self._node_key is not None})"
+
+    def _encode(self, node: str, payloads: list[dict[str, object]]) -> dict[str, str]:
+        key = self._node_key if node == self.node else None
+        if self._node_key is not None and key is None and node not in self._unsigned_warned:
+            self._unsigned_warned.add(node)
+            log.warning(
+                "samples of node %s are sent unsigned: this agent holds the key of %s only",
+                node,
+                self.node,
+            )
+        return encode_samples(node, payloads, key)
 
     def _source_failed(self, name: str, exc: Exception) -> None:
         n = self.stats.source_errors[name] = self.stats.source_errors.get(name, 0) + 1
@@ -86,7 +112,7 @@ class NodeAgent:
         self._forget_stale(now)
         self.stats.domains = len(self._last_seen)
         entries = [
-            Entry(self.keys.samples_for(node), encode_samples(node, payloads), len(payloads))
+            Entry(self.keys.samples_for(node), self._encode(node, payloads), len(payloads))
             for node, payloads in by_node.items()
         ]
         # Samples first: an OOM event should not reach the service before the samples leading to it.

@@ -7,7 +7,10 @@ verify_command` (signature first, then node, validity window, nonce); a refused 
 reaches an executor. A valid command runs in a worker thread of its own, so a checkpoint
 that waits a minute for its acknowledgement does not hold up reading; only one action per
 (device, action) runs at a time (a second is refused as ``busy``), and at most
-``max_running`` in all.
+``max_running`` in all. A live (not dry-run) destructive command (shed) must also be proven
+on the node: the agent measures the domain itself and refuses it as ``unconfirmed`` unless
+its own reading confirms the memory state the command claims (:mod:`oomcast.collectors.
+proof`). A checkpoint loses no work and needs no proof.
 
 Every outcome becomes an event on the events stream, encoded as every event is (field
 ``event``, a JSON object with the standard keys ``ts``, ``node``, ``device``, ``event``,
@@ -19,6 +22,9 @@ Every outcome becomes an event on the events stream, encoded as every event is (
   entry id), ``authenticated`` (whether the signature was valid) and ``id``, the command's
   id where it could be read (for an unauthenticated entry: the id it claims, so that a
   sender with the wrong secret can match the refusal up; nothing else of it is trusted).
+  An ``unconfirmed`` refusal adds ``claimed`` and ``measured`` (``used_bytes``,
+  ``total_bytes``, ``used_frac``; ``measured`` absent where nothing could be measured) and
+  ``tolerance_pp``; a confirmed live action's ``action_result`` carries the same as ``proof``.
   The device and job are the command's when its signature was valid; otherwise the device
   is ``control`` and there is no job. At most ``refusal_events_per_min`` such
   events are written a minute (a flood of junk must not flood the events stream); all are
@@ -38,9 +44,11 @@ import redis
 
 from oomcast.collectors.actiontypes import OUTCOMES, ActionResult, Executor, as_candidate
 from oomcast.collectors.domain import Resolve, make_resolve
+from oomcast.collectors.proof import DEFAULT_TOLERANCE, Measure, check_claim
 from oomcast.collectors.streams import entries_of, last_id, stream_fields
 from oomcast.model.control import (
     DEFAULT_MAX_SKEW_S,
+    DESTRUCTIVE_ACTIONS,
     REASONS,
     Command,
     CommandRejected,
@@ -84,6 +92,10 @@ class ControlListener:
         with no executor is refused as ``disabled``.
     resolve: the candidate processes of a command's domain (called in the worker thread).
     publish_event: where events go (a dict each); default XADD to ``keys.events``.
+    secret: this node's key (``model.control.node_key``), which the service signs with.
+    measure: the agent's own reading of a command's domain (``proof.make_measure``); without
+        it no live command is confirmed. ``confirm_tolerance``: how far (a fraction of the
+        capacity) the measured use may fall short of the claimed use.
     """
 
     def __init__(
@@ -103,6 +115,8 @@ class ControlListener:
         max_running: int = 4,
         refusal_events_per_min: int = 60,
         events_maxlen: int = 100_000,
+        measure: Measure | None = None,
+        confirm_tolerance: float = DEFAULT_TOLERANCE,
     ) -> None:
         if not secret:
             raise ValueError("the control secret must be non-empty")
@@ -110,6 +124,8 @@ class ControlListener:
             raise ValueError("node must be non-empty")
         if max_running < 1:
             raise ValueError(f"max_running={max_running} must be at least 1")
+        if not 0 <= confirm_tolerance <= 1:
+            raise ValueError(f"confirm_tolerance={confirm_tolerance} must be within [0, 1]")
         self.client = client
         self.keys = keys
         self.node = node
@@ -124,6 +140,8 @@ class ControlListener:
         self.max_running = max_running
         self.refusal_events_per_min = refusal_events_per_min
         self.events_maxlen = events_maxlen
+        self.measure = measure
+        self.confirm_tolerance = confirm_tolerance
         self.stats = ControlStats()
         self.stream = keys.control(node)
         self._cursor: str | None = None
@@ -252,15 +270,19 @@ class ControlListener:
                 fields,
             )
             return None
+        proof: dict[str, Any] | None = None
+        if not cmd.dry_run and cmd.action in DESTRUCTIVE_ACTIONS:
+            # the signature proves who sent it, not that the danger is real
+            verdict = check_claim(cmd, self.measure, self.confirm_tolerance)
+            if not verdict.confirmed:
+                refused = CommandRejected("unconfirmed", verdict.message, cmd.id, cmd)
+                refused.details = verdict.details
+                self._refuse(entry_id, refused, fields)
+                return None
+            proof = verdict.details
         # a checkpoint reaches every process of the job, on every GPU: one at a time per job
-        key = (
-            (f"job:{cmd.job}", cmd.action)
-            if cmd.action == "checkpoint" and cmd.job
-            else (
-                cmd.device,
-                cmd.action,
-            )
-        )
+        job_wide = cmd.action == "checkpoint" and cmd.job
+        key = (f"job:{cmd.job}", cmd.action) if job_wide else (cmd.device, cmd.action)
         worker: threading.Thread | None = None
         with self._lock:
             busy = None
@@ -271,7 +293,7 @@ class ControlListener:
             if busy is None:
                 worker = threading.Thread(
                     target=self._execute,
-                    args=(cmd, executor, key),
+                    args=(cmd, executor, key, proof),
                     name=f"oomcast-action-{cmd.action}-{cmd.device}",
                     daemon=True,
                 )
@@ -292,7 +314,13 @@ class ControlListener:
         worker.start()
         return cmd
 
-    def _execute(self, cmd: Command, executor: Executor, key: tuple[str, str]) -> None:
+    def _execute(
+        self,
+        cmd: Command,
+        executor: Executor,
+        key: tuple[str, str],
+        proof: dict[str, Any] | None = None,
+    ) -> None:
         started = time.monotonic()
         try:
             candidates = [as_candidate(c) for c in self.resolve(cmd)]
@@ -317,21 +345,22 @@ class ControlListener:
             result.outcome,
             result.detail,
         )
-        self._publish(
-            self._event(
-                ACTION_RESULT,
-                cmd.device,
-                cmd.job,
-                id=cmd.id,
-                action=cmd.action,
-                outcome=result.outcome,
-                detail=result.detail,
-                data=result.data,
-                dry_run=cmd.dry_run,
-                forecast=cmd.forecast,
-                duration_s=round(time.monotonic() - started, 3),
-            )
+        event = self._event(
+            ACTION_RESULT,
+            cmd.device,
+            cmd.job,
+            id=cmd.id,
+            action=cmd.action,
+            outcome=result.outcome,
+            detail=result.detail,
+            data=result.data,
+            dry_run=cmd.dry_run,
+            forecast=cmd.forecast,
+            duration_s=round(time.monotonic() - started, 3),
         )
+        if proof is not None:
+            event["proof"] = proof
+        self._publish(event)
 
     def _refuse(self, entry_id: str, exc: CommandRejected, fields: Mapping[Any, Any]) -> None:
         with self._lock:
@@ -364,6 +393,7 @@ class ControlListener:
         if cmd is not None:
             extra["action"] = cmd.action
             extra["dry_run"] = cmd.dry_run
+        extra.update(exc.details)
         self._publish(
             self._event(
                 COMMAND_REFUSED,
@@ -409,14 +439,26 @@ class ControlListener:
                 executed.setdefault((action, outcome), 0)
         for reason in (*REASONS, *LISTENER_REASONS):
             refused.setdefault(reason, 0)
-        out: list[MetricSample] = [
+        plain = [  # (name, type, help, value), unlabelled
+            ("commands_total", "counter", "Control-stream entries read.", st.received),
+            ("actions_running", "gauge", "Actions running now.", running),
+            ("read_errors_total", "counter", "Failed reads of the control stream.", st.read_errors),
             (
-                "oomcast_agent_control_commands_total",
+                "event_errors_total",
                 "counter",
-                "Control-stream entries read.",
-                {},
-                st.received,
-            )
+                "Action and refusal events that could not be published.",
+                st.event_errors,
+            ),
+            (
+                "events_suppressed_total",
+                "counter",
+                "Refusal events not written because of the per-minute limit.",
+                st.events_suppressed,
+            ),
+        ]
+        out: list[MetricSample] = [
+            (f"oomcast_agent_control_{name}", kind, text, {}, value)
+            for name, kind, text, value in plain
         ]
         out.extend(
             (
@@ -438,36 +480,6 @@ class ControlListener:
             )
             for reason, n in sorted(refused.items())
         )
-        out += [
-            (
-                "oomcast_agent_control_actions_running",
-                "gauge",
-                "Actions running now.",
-                {},
-                running,
-            ),
-            (
-                "oomcast_agent_control_read_errors_total",
-                "counter",
-                "Failed reads of the control stream.",
-                {},
-                st.read_errors,
-            ),
-            (
-                "oomcast_agent_control_event_errors_total",
-                "counter",
-                "Action and refusal events that could not be published.",
-                {},
-                st.event_errors,
-            ),
-            (
-                "oomcast_agent_control_events_suppressed_total",
-                "counter",
-                "Refusal events not written because of the per-minute limit.",
-                {},
-                st.events_suppressed,
-            ),
-        ]
         return out
 
 

@@ -22,25 +22,15 @@ import os
 import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
 
 from oomcast.model.wire import Keys, redis_url_from_env
+from oomcast.model.wire import redact_url as redact_url  # re-exported: the hook logs with it
 
 log = logging.getLogger(__name__)
 
 MODES = ("cuda", "host", "off")
 OFF_VALUES = ("off", "0", "false", "no", "disabled")
 _ON_VALUES = ("auto", "on", "cuda", "host")
-
-
-def redact_url(url: str) -> str:
-    """``url`` without its password, for logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[-1]
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=user + host))
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,6 +91,13 @@ def agent_samples(agent: NodeAgent, extra: Sequence[Any] = ()) -> list[MetricSam
             pub.publish_errors,
         ),
         (
+            "oomcast_agent_publish_refused_total",
+            "counter",
+            "Entries Redis refused (full or read-only); each stays buffered and is sent again.",
+            {},
+            pub.entries_refused,
+        ),
+        (
             "oomcast_agent_buffered_samples",
             "gauge",
             "Samples waiting in the local buffer for Redis.",

@@ -3,7 +3,13 @@
 When Redis is unreachable the agent keeps sampling: entries wait in a buffer that holds at
 most ``buffer_samples`` samples; past that the oldest are dropped (the newest matter most
 to a forecast) and counted. Once Redis answers again the buffer is flushed oldest first.
-Delivery is at least once: an entry written just before a connection broke may be sent again.
+
+A Redis that answers but refuses writes (``maxmemory`` reached under ``noeviction``, a
+read-only replica after a failover) may take some entries of a pipelined batch and refuse
+the rest. Each entry's reply is looked at: the ones Redis took leave the buffer, the refused
+ones stay, in their order, for the next try, so back-pressure never duplicates a sample.
+Delivery is at least once only across a broken connection: entries written just before it
+broke, whose replies never came, are sent again.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ class PublisherStats:
     samples_sent: int = 0
     samples_dropped: int = 0
     publish_errors: int = 0
+    entries_refused: int = 0  # entries Redis answered with an error (kept and sent again)
+    partial_flushes: int = 0  # batches of which Redis took some entries and refused others
 
 
 class StreamPublisher:
@@ -78,6 +86,7 @@ class StreamPublisher:
         return self.flush()
 
     def flush(self, chunk: int = 500) -> bool:
+        """Send the buffer, oldest first, ``chunk`` entries a round trip; True when it is empty."""
         while self._buffer:
             batch = [self._buffer[i] for i in range(min(chunk, len(self._buffer)))]
             try:
@@ -86,28 +95,49 @@ class StreamPublisher:
                     pipe.xadd(
                         e.stream, stream_fields(e.fields), maxlen=self.maxlen, approximate=True
                     )
-                pipe.execute()
+                replies = pipe.execute(raise_on_error=False)
             except redis.RedisError as exc:
-                # Connection loss, but also a full (maxmemory) or read-only (failover) Redis:
-                # keep the samples and keep sampling until it takes writes again.
-                self.stats.publish_errors += 1
-                self.connected = False
-                self._backoff_s = min(self.max_backoff_s, max(0.25, self._backoff_s * 2))
-                self._retry_at = self._clock() + self._backoff_s
-                log.warning(
-                    "Redis did not take samples (%s); %d buffered, %d dropped; retry in %.1fs",
-                    exc,
-                    self._buffered,
-                    self.stats.samples_dropped,
-                    self._backoff_s,
-                )
+                # the connection broke: which entries got in is unknown, keep them all
+                self._failed(exc, 0)
                 return False
+            refused = [(e, r) for e, r in zip(batch, replies, strict=True) if _is_error(r)]
             for _ in batch:
                 e = self._buffer.popleft()
                 self._buffered -= e.n_samples
-                self.stats.entries_sent += 1
-                self.stats.samples_sent += e.n_samples
+            for e, _ in reversed(refused):  # back at the front, in their order
+                self._buffer.appendleft(e)
+                self._buffered += e.n_samples
+            taken = [e for e, r in zip(batch, replies, strict=True) if not _is_error(r)]
+            self.stats.entries_sent += len(taken)
+            self.stats.samples_sent += sum(e.n_samples for e in taken)
+            if refused:
+                # A full (maxmemory) or read-only (failover) Redis: keep what it refused and
+                # keep sampling until it takes writes again.
+                self.stats.entries_refused += len(refused)
+                if taken:
+                    self.stats.partial_flushes += 1
+                self._failed(refused[0][1], len(taken))
+                return False
         self._backoff_s = 0.0
         self._retry_at = 0.0
         self.connected = True
         return True
+
+    def _failed(self, exc: object, taken: int) -> None:
+        self.stats.publish_errors += 1
+        self.connected = False
+        self._backoff_s = min(self.max_backoff_s, max(0.25, self._backoff_s * 2))
+        self._retry_at = self._clock() + self._backoff_s
+        log.warning(
+            "Redis did not take samples (%s); %d entries taken this try, %d samples buffered,"
+            " %d dropped; retry in %.1fs",
+            exc,
+            taken,
+            self._buffered,
+            self.stats.samples_dropped,
+            self._backoff_s,
+        )
+
+
+def _is_error(reply: object) -> bool:
+    return isinstance(reply, Exception)

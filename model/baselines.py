@@ -15,9 +15,11 @@ Each gives risk 0 or 1 per horizon and, where it projects one, a time to OOM.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from oomcast.model.embedding import finite_number
 from oomcast.model.forecast import (
     HORIZONS_S,
     AlertRule,
@@ -43,6 +45,12 @@ class ThresholdBaseline:
         self.horizons_s = HORIZONS_S
 
     def init_state(self) -> None:
+        return None
+
+    def export_state(self, state: None) -> dict[str, Any]:
+        return {}  # stateless
+
+    def import_state(self, data: Mapping[str, Any]) -> None:
         return None
 
     def step(
@@ -137,6 +145,33 @@ class PredictLinearBaseline:
     def init_state(self) -> _LinearState:
         return _LinearState()
 
+    def export_state(self, state: _LinearState) -> dict[str, Any]:
+        """The window's points and the running sums, exactly as they stand (recomputing the
+        sums from the points would round differently from the ones being carried)."""
+        return {
+            "points": [[x, y] for x, y in state.points],
+            "t0": state.t0,
+            "sums": [state.sx, state.sy, state.sxx, state.sxy],
+        }
+
+    def import_state(self, data: Mapping[str, Any]) -> _LinearState:
+        points, sums, t0 = data.get("points"), data.get("sums"), data.get("t0")
+        if not isinstance(points, list) or not all(
+            isinstance(p, list) and len(p) == 2 for p in points
+        ):
+            raise ValueError("predict_linear state points: must be a list of [x, y] pairs")
+        if not isinstance(sums, list) or len(sums) != 4:
+            raise ValueError("predict_linear state sums: must be a list of 4 numbers")
+        if (t0 is None) != (not points):
+            raise ValueError("predict_linear state: t0 and points must be set together")
+        st = _LinearState(t0=None if t0 is None else finite_number(t0, "t0"))
+        st.points.extend(
+            (finite_number(x, "points.x"), finite_number(y, "points.y")) for x, y in points
+        )
+        st.n = len(st.points)
+        st.sx, st.sy, st.sxx, st.sxy = (finite_number(v, "sums") for v in sums)
+        return st
+
     def _time_to_oom(self, st: _LinearState, sample: Sample) -> float | None:
         if st.n < 2:
             return None
@@ -198,6 +233,15 @@ class KubeletBaseline:
 
     def init_state(self) -> _KubeletState:
         return _KubeletState()
+
+    def export_state(self, state: _KubeletState) -> dict[str, Any]:
+        return {"next_poll_ts": state.next_poll_ts, "under": state.under}
+
+    def import_state(self, data: Mapping[str, Any]) -> _KubeletState:
+        nxt, under = data.get("next_poll_ts"), data.get("under")
+        if not isinstance(under, bool):
+            raise ValueError(f"kubelet state under: must be true or false, got {under!r}")
+        return _KubeletState(None if nxt is None else finite_number(nxt, "next_poll_ts"), under)
 
     def step(
         self, states: list[_KubeletState], samples: list[Sample], embeddings: object = None

@@ -20,6 +20,12 @@ A command (JSON object)::
      "issued_at": 1700000000.0, "expires_at": 1700000030.0, "nonce": "<hex>",
      "reason": "...", "forecast": {"risk": {...}, "time_to_oom_s": ..., ...}}
 
+Keys: each node has a key of its own, :func:`node_key` of the master secret
+(``OOMCAST_CONTROL_SECRET``, held by the service alone) and the node's name. The service
+signs a node's commands with that node's key, and the node holds only its own
+(``OOMCAST_NODE_KEY``), so a key stolen from one node signs commands for that node only.
+The same key attests the node's sample entries (:func:`oomcast.model.wire.encode_samples`).
+
 This module is plain Python (standard library only): the service signs with it, the node
 agent verifies with it.
 """
@@ -33,13 +39,18 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomcast.model.signing import sign, verify
+from oomcast.model.signing import derive_key, sign, verify
 
 ACTIONS = ("checkpoint", "shed")
+# Actions that can lose work: they need evidence, signed by the domain's own node, behind
+# the forecast (service) and the agent's own reading of the danger (node). A checkpoint
+# only asks a job to save what it has; it loses nothing, so it needs neither (a forged
+# forecast costs one save, and the rule's cooldown bounds how often).
+DESTRUCTIVE_ACTIONS = frozenset({"shed"})
 DEFAULT_TTL_S = 30.0
 MAX_VALIDITY_S = 600.0  # expires_at - issued_at may not exceed this
 DEFAULT_MAX_SKEW_S = 30.0
@@ -61,6 +72,8 @@ REASONS = (
     "too_long",
     "replayed",
     "busy",
+    # the agent's own reading of the domain did not confirm the state the command claims
+    "unconfirmed",
 )
 # Refusals decided before the signature was verified: their content is not to be trusted.
 UNAUTHENTICATED_REASONS = frozenset({"unsigned", "bad_signature"})
@@ -87,6 +100,8 @@ class CommandRejected(Exception):
         self.command = command
         # whether the entry's signature had been verified when it was refused
         self.authenticated = command is not None
+        # figures behind the refusal, for its audit event (measured vs claimed, ...)
+        self.details: dict[str, Any] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +191,31 @@ def new_command(
         "reason": reason,
         "forecast": dict(forecast or {}),
     }
+
+
+# --- per-node keys ---------------------------------------------------------------------------
+
+NODE_KEY_CONTEXT = b"oomcast-node-key-v1\n"
+
+
+def node_key(master_secret: str, node: str) -> str:
+    """The key of ``node`` (64 hex digits), derived from the master secret: it signs that
+    node's commands and attests its samples, and says nothing of any other node's key."""
+    if not isinstance(node, str) or not node:
+        raise ValueError("node must be a non-empty name")
+    return derive_key(master_secret, NODE_KEY_CONTEXT + node.encode("utf-8", "surrogateescape"))
+
+
+def node_keys(master_secret: str) -> Callable[[str], str | None]:
+    """``node -> node_key(master_secret, node)`` (None for an empty name): the lookup the
+    service gives :func:`oomcast.model.wire.entry_attested`. Raises ValueError now, not on
+    the first lookup, for an empty secret."""
+    node_key(master_secret, "-")  # an empty or non-string secret fails here
+
+    def key_for(node: str) -> str | None:
+        return node_key(master_secret, node) if node else None
+
+    return key_for
 
 
 # --- the nonce cache --------------------------------------------------------------------------
@@ -415,6 +455,8 @@ __all__ = [
     "NonceCache",
     "canonical_json",
     "new_command",
+    "node_key",
+    "node_keys",
     "parse_command",
     "sign_command",
     "signature",

@@ -24,9 +24,11 @@ Three facts of the domain shape the features (``docs/design.md`` gives the reaso
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from oomcast.model.schema import Sample
+from oomcast.model.schema import Sample, parse_sample
 
 EMBEDDING_VERSION = 4
 
@@ -128,6 +130,16 @@ class TrendFit:
         resid = math.sqrt(max(0.0, vyy - slope * vty))
         return my - slope * mt, slope, resid, min(2.0, span / self.tau_s)
 
+    def sums(self) -> list[float]:
+        return [self.s0, self.st, self.stt, self.sy, self.sty, self.syy]
+
+    @classmethod
+    def from_sums(cls, tau_s: float, sums: Any, name: str) -> TrendFit:
+        if not isinstance(sums, list) or len(sums) != 6:
+            raise ValueError(f"{name}: must be a list of 6 running sums")
+        values = [finite_number(v, f"{name}[{i}]") for i, v in enumerate(sums)]
+        return cls(tau_s, *values)
+
 
 @dataclass(slots=True)
 class EmbeddingState:
@@ -201,6 +213,58 @@ class EmbeddingState:
             )
         )
         return vec
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything the embedding remembers, as JSON-able values (a replica that takes a
+        domain over continues its trends instead of starting them from nothing)."""
+        return {
+            "prev": None if self.prev is None else sample_dict(self.prev),
+            "first_ts": self.first_ts,
+            "fast": self.fast.sums(),
+            "slow": self.slow.sums(),
+            "alloc": self.alloc.sums(),
+            "recent_peak": self.recent_peak,
+            "max_peak": self.max_peak,
+            "max_rise": self.max_rise,
+            "retries_rate": self.retries_rate,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EmbeddingState:
+        """The inverse of ``to_dict``; ValueError, naming the key, on anything malformed."""
+        if not isinstance(data, Mapping):
+            raise ValueError("embedding state must be an object")
+        prev = data.get("prev")
+        if prev is not None and not isinstance(prev, dict):
+            raise ValueError("embedding state prev: must be a sample object")
+        first_ts = data.get("first_ts")
+        return cls(
+            prev=None if prev is None else parse_sample(prev),
+            first_ts=None if first_ts is None else finite_number(first_ts, "first_ts"),
+            fast=TrendFit.from_sums(FAST_TAU_S, data.get("fast"), "fast"),
+            slow=TrendFit.from_sums(SLOW_TAU_S, data.get("slow"), "slow"),
+            alloc=TrendFit.from_sums(SLOW_TAU_S, data.get("alloc"), "alloc"),
+            recent_peak=finite_number(data.get("recent_peak"), "recent_peak"),
+            max_peak=finite_number(data.get("max_peak"), "max_peak"),
+            max_rise=finite_number(data.get("max_rise"), "max_rise"),
+            retries_rate=finite_number(data.get("retries_rate"), "retries_rate"),
+        )
+
+
+_SAMPLE_FIELDS = Sample.__slots__
+
+
+def sample_dict(sample: Sample) -> dict[str, Any]:
+    """``sample.to_dict()`` without ``dataclasses.asdict``'s deep copy (a snapshot of every
+    domain makes one or two per domain)."""
+    return {k: v for k in _SAMPLE_FIELDS if (v := getattr(sample, k)) is not None}
+
+
+def finite_number(value: Any, name: str) -> float:
+    """``value`` as a float, or ValueError naming ``name`` (restoring a saved state)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name}: must be a finite number, got {value!r}")
+    return float(value)
 
 
 def _pct(slope_frac_per_s: float) -> float:

@@ -86,6 +86,37 @@ class Forecaster(Protocol):
         ...
 
 
+class SnapshotForecaster(Forecaster, Protocol):
+    """A forecaster whose per-domain state can be saved and restored, so a replica that
+    takes a domain over continues its forecasts instead of starting them cold."""
+
+    def export_state(self, state: Any) -> dict[str, Any]:
+        """``state`` as JSON-able values."""
+        ...
+
+    def import_state(self, data: Mapping[str, Any]) -> Any:
+        """A fresh state holding what ``export_state`` saved; ValueError when malformed."""
+        ...
+
+
+def export_state(forecaster: Forecaster, state: Any) -> dict[str, Any] | None:
+    """The domain's state as JSON-able values; None when the forecaster cannot save it."""
+    export = getattr(forecaster, "export_state", None)
+    if export is None:
+        return None
+    data: dict[str, Any] = export(state)
+    return data
+
+
+def import_state(forecaster: Forecaster, data: Mapping[str, Any] | None) -> Any:
+    """A state restored from ``export_state``'s values, or a fresh one where there are none
+    or the forecaster cannot restore them. ValueError when ``data`` is malformed."""
+    restore = getattr(forecaster, "import_state", None)
+    if data is None or restore is None:
+        return forecaster.init_state()
+    return restore(data)
+
+
 def release_state(forecaster: Forecaster, state: Any) -> None:
     """Give a domain's state back (the ONNX forecaster keeps states in reusable slots)."""
     release = getattr(forecaster, "release", None)

@@ -11,16 +11,24 @@ module of ``model/`` imports onnxruntime.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from oomcast.model.embedding import EMBEDDING_VERSION, TICK_TOLERANCE, EmbeddingState
+from oomcast.model.embedding import (
+    EMBEDDING_VERSION,
+    TICK_TOLERANCE,
+    EmbeddingState,
+    finite_number,
+)
 from oomcast.model.forecast import AlertRule, Forecast, RiskRow, rule_fire_risk
 from oomcast.model.schema import Sample
 
@@ -112,6 +120,42 @@ class OnnxForecaster:
             raise ValueError(f"state slot {state.index} released twice")
         self._free.append(state.index)
 
+    # -- snapshots (a domain handed to another replica) -----------------------------------
+    def export_state(self, state: Slot) -> dict[str, Any]:
+        """A domain's whole state as JSON-able values: the LSTM's ``h`` and ``c`` (float32,
+        base64, exact), the tick the committed state ends with, and the embedding's memory."""
+        i = state.index
+        return {
+            "layers": self.layers,
+            "hidden": self.hidden,
+            "h": _encode_array(self._h[:, i]),
+            "c": _encode_array(self._c[:, i]),
+            "tick_ts": None if state.tick_ts == -math.inf else state.tick_ts,
+            "emb": state.emb.to_dict(),
+        }
+
+    def import_state(self, data: Mapping[str, Any]) -> Slot:
+        """A slot holding what ``export_state`` saved; ValueError, before any slot is taken,
+        when ``data`` is malformed or was saved by a network of another shape."""
+        if not isinstance(data, Mapping):
+            raise ValueError("forecaster state must be an object")
+        if data.get("layers") != self.layers or data.get("hidden") != self.hidden:
+            raise ValueError(
+                f"forecaster state of a {data.get('layers')}x{data.get('hidden')} LSTM; this"
+                f" model is {self.layers}x{self.hidden}"
+            )
+        shape = (self.layers, self.hidden)
+        h = _decode_array(data.get("h"), shape, "h")
+        c = _decode_array(data.get("c"), shape, "c")
+        tick = data.get("tick_ts")
+        tick_ts = -math.inf if tick is None else finite_number(tick, "tick_ts")
+        emb = EmbeddingState.from_dict(data.get("emb", {}))
+        slot = self.init_state()
+        self._h[:, slot.index] = h
+        self._c[:, slot.index] = c
+        slot.emb, slot.tick_ts = emb, tick_ts
+        return slot
+
     # -- inference ------------------------------------------------------------------------
     def step(
         self,
@@ -193,3 +237,22 @@ class OnnxForecaster:
     def metadata_features(self) -> list[str]:
         features: list[str] = json.loads(self.metadata["oomcast.features"])
         return features
+
+
+def _encode_array(arr: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(arr, dtype="<f4").tobytes()).decode("ascii")
+
+
+def _decode_array(text: Any, shape: tuple[int, int], name: str) -> np.ndarray:
+    if not isinstance(text, str):
+        raise ValueError(f"forecaster state {name}: must be a base64 string")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"forecaster state {name}: not base64 ({exc})") from None
+    if len(raw) != 4 * shape[0] * shape[1]:
+        raise ValueError(f"forecaster state {name}: {len(raw)} bytes, not {shape} float32")
+    arr = np.frombuffer(raw, dtype="<f4").reshape(shape)
+    if not np.isfinite(arr).all():
+        raise ValueError(f"forecaster state {name}: not finite")
+    return arr

@@ -19,6 +19,10 @@ KINDS = ("gpu", "host")
 SANITY_FACTOR = 2.0
 MAX_COUNT = (1 << 63) - 1  # counters and byte counts must fit in a signed 64-bit integer
 OPTIONAL_BYTE_FIELDS = ("allocated_bytes", "reserved_bytes", "peak_bytes")
+# Names are keys of live state, Redis fields and log lines: bounded, and free of control
+# characters (a newline in a device name would forge a log line). 512 leaves room for the
+# longest Kubernetes cgroup paths (``cgroup:/kubepods.slice/...``, about 200 characters).
+MAX_NAME_CHARS = 512
 
 
 class SchemaError(ValueError):
@@ -93,13 +97,21 @@ def _ts(obj: dict[str, Any]) -> float:
     return ts
 
 
+def _check_name(key: str, value: str) -> str:
+    if len(value) > MAX_NAME_CHARS:
+        raise SchemaError(key, f"is {len(value)} characters long; the limit is {MAX_NAME_CHARS}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise SchemaError(key, f"must not contain control characters, got {value[:80]!r}")
+    return value
+
+
 def _name(obj: dict[str, Any], key: str) -> str:
     if key not in obj:
         raise SchemaError(key, "is required")
     value = obj[key]
     if not isinstance(value, str) or not value.strip():
-        raise SchemaError(key, f"must be a non-empty string, got {value!r}")
-    return value
+        raise SchemaError(key, f"must be a non-empty string, got {str(value)[:80]!r}")
+    return _check_name(key, value)
 
 
 def _optional_str(obj: dict[str, Any], key: str) -> str | None:
@@ -107,8 +119,8 @@ def _optional_str(obj: dict[str, Any], key: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise SchemaError(key, f"must be a string, got {value!r}")
-    return value
+        raise SchemaError(key, f"must be a string, got {str(value)[:80]!r}")
+    return _check_name(key, value)
 
 
 def _count(obj: dict[str, Any], key: str, *, required: bool) -> int | None:
@@ -174,7 +186,8 @@ def parse_sample(obj: dict[str, Any]) -> Sample:
 def parse_event(obj: dict[str, Any]) -> Event:
     name = obj.get("event")
     if not isinstance(name, str) or not name:
-        raise SchemaError("event", f"must be a non-empty string, got {name!r}")
+        raise SchemaError("event", f"must be a non-empty string, got {str(name)[:80]!r}")
+    _check_name("event", name)
     return Event(
         ts=_ts(obj),
         node=_name(obj, "node"),

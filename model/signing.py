@@ -1,6 +1,7 @@
 """HMAC-SHA256 signing, the one place oomcast signs or checks bytes: the commands the service
-sends to node agents (``model/control.py``) and the webhook bodies it posts
-(``service/webhook.py``). A signature reads ``sha256=<hex digest>``."""
+sends to node agents (``model/control.py``), the sample entries node agents attest
+(``model/wire.py``) and the webhook bodies the service posts (``service/webhook.py``). A
+signature reads ``sha256=<hex digest>``. :func:`derive_key` makes the per-node keys."""
 
 from __future__ import annotations
 
@@ -27,3 +28,11 @@ def verify(data: bytes, signature: str | bytes | None, secret: str) -> bool:
         return False
     given = signature.encode() if isinstance(signature, str) else bytes(signature)
     return hmac.compare_digest(sign(data, secret).encode(), given)
+
+
+def derive_key(secret: str, context: bytes) -> str:
+    """A key of its own for ``context`` (hex HMAC-SHA256 of it under ``secret``): whoever holds
+    the derived key cannot work back to ``secret`` nor to the key of any other context."""
+    if not context:
+        raise ValueError("a key derivation needs a non-empty context")
+    return hmac.new(_key(secret), context, hashlib.sha256).hexdigest()

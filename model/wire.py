@@ -4,6 +4,17 @@ One sample-stream entry carries one tick of one node: field ``samples`` is a JSO
 sample objects, each with its embedding (``emb``, ``emb_v``). Events travel one per entry in
 the events stream, field ``event``. Node agents, ``POST /v1/samples`` and the service all
 go through these functions, so the format is defined once.
+
+Attestation: a node agent signs each sample entry it writes with its node key
+(:func:`oomcast.model.control.node_key`), in field ``sig``: ``sha256=<hex HMAC-SHA256>`` of
+``b"oomcast-samples-v1\n"``, the length of the entry's ``node`` field in bytes (4 bytes, big
+endian), those bytes, then the exact bytes of the ``samples`` field. Anyone who can write to
+Redis can add an entry, but only the holder of a node's key can add one that
+:func:`entry_attested` accepts as that node's; the service acts on a node only on the word of
+attested samples. The prefix keeps a sample signature from ever passing for a command's
+(a command is JSON, which cannot start with it).
+
+:func:`redact_url` is how every process writes a URL into a log line or message.
 """
 
 from __future__ import annotations
@@ -11,10 +22,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
 from oomcast.model.schema import (
     Event,
@@ -24,6 +37,7 @@ from oomcast.model.schema import (
     parse_event,
     parse_sample,
 )
+from oomcast.model.signing import sign, verify
 
 ENTRY_VERSION = "1"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"  # every process's default; OOMCAST_REDIS_URL
@@ -100,13 +114,57 @@ def sample_payload(sample: Sample, emb: list[float] | None, emb_v: int | None) -
     return obj
 
 
-def encode_samples(node: str, payloads: list[dict[str, Any]]) -> dict[str, str]:
-    return {
+SAMPLES_SIG_CONTEXT = b"oomcast-samples-v1\n"
+MAX_ATTESTED_NODE_BYTES = 1024
+
+
+def _attested_bytes(node: bytes, samples: bytes) -> bytes:
+    return SAMPLES_SIG_CONTEXT + len(node).to_bytes(4, "big") + node + samples
+
+
+def encode_samples(
+    node: str, payloads: list[dict[str, Any]], key: str | None = None
+) -> dict[str, str]:
+    """The fields of one sample entry; with ``key`` (the node's key), signed in ``sig`` (see
+    the module docstring). ValueError for an empty key."""
+    fields = {
         "v": ENTRY_VERSION,
         "node": node,
         "n": str(len(payloads)),
         "samples": json.dumps(payloads, separators=(",", ":")),
     }
+    if key is not None:
+        data = _attested_bytes(node.encode("utf-8"), fields["samples"].encode("utf-8"))
+        fields["sig"] = sign(data, key)
+    return fields
+
+
+def _raw(fields: Mapping[Any, Any], key: str) -> bytes | None:
+    value = fields.get(key, fields.get(key.encode()))
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogateescape")
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    return None
+
+
+def entry_attested(fields: Mapping[Any, Any], key_for_node: Callable[[str], str | None]) -> bool:
+    """Whether a sample entry carries a valid ``sig`` under the key ``key_for_node`` gives for
+    the entry's own ``node`` field. False for a missing or bad signature, a missing node or
+    samples field, or a node without a key (None or empty)."""
+    node, samples, sig = _raw(fields, "node"), _raw(fields, "samples"), _raw(fields, "sig")
+    if node is None or samples is None or sig is None:
+        return False
+    if not node or len(node) > MAX_ATTESTED_NODE_BYTES:
+        return False
+    try:
+        name = node.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    key = key_for_node(name)
+    if not key:
+        return False
+    return verify(_attested_bytes(node, samples), sig, key)
 
 
 def encode_event(event: Event) -> dict[str, str]:
@@ -180,3 +238,33 @@ def decode_event(fields: dict[Any, Any]) -> Event:
     if not isinstance(obj, dict):
         raise SchemaError("event", "must be a JSON object")
     return parse_event(obj)
+
+
+_SECRET_QUERY = re.compile(r"pass|secret|token|key|auth|sig|credential", re.IGNORECASE)
+_USERINFO = re.compile(r"//[^/?#@]*@")
+MASK = "***"
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit for a log line: the password masked (``redis://user:***@host``), a user name
+    standing alone masked too (``https://***@host``: often a token), and query parameters that
+    look secret (``password``, ``token``, ``key``, ...) masked. Works for redis://, rediss://,
+    unix:// and http(s):// URLs; a string it cannot parse has anything between ``//`` and
+    ``@`` masked."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if "@" in netloc:
+            userinfo, host = netloc.rsplit("@", 1)
+            user, sep, _ = userinfo.partition(":")
+            netloc = f"{user}:{MASK}@{host}" if sep else f"{MASK}@{host}"
+        query = parts.query
+        if query:
+            pairs = parse_qsl(query, keep_blank_values=True)
+            if any(_SECRET_QUERY.search(k) for k, _ in pairs):
+                query = "&".join(
+                    f"{quote(k)}={MASK if _SECRET_QUERY.search(k) else quote(v)}" for k, v in pairs
+                )
+        return urlunsplit(parts._replace(netloc=netloc, query=query))
+    except ValueError:  # e.g. a malformed IPv6 host
+        return _USERINFO.sub(f"//{MASK}@", url)

@@ -8,14 +8,17 @@ commands in the same round trip as the records, so a command is never sent witho
 record nor recorded without being sent. The node agent verifies each command and reports
 the outcome as an event, which lands in the audit stream too.
 
-``webhook`` and ``alertmanager`` go to their senders (queues, never waited on), which get
-the finished record, never touched again. ``checkpoint`` and ``shed`` become signed commands
-(``model/control.py``) on the node's control stream.
+``webhook`` and ``alertmanager`` become deliveries of the finished record (never touched
+again), which the ingest loop writes to the durable outbox in the same round trip as the
+record (``service/outbox.py``): an alert on record is owed to its receivers, and the outbox's
+worker delivers it, or records why it could not. ``checkpoint`` and ``shed`` become signed
+commands (``model/control.py``) on the node's control stream.
 
-Per action, ``dispatched`` says ``queued``, ``command`` (with its id), ``dry_run``,
-``suppressed`` (cooldown), ``not_configured``, ``dropped`` (a full queue), ``n/a`` or
-``stale``. A rule in dry-run sends nothing to receivers; its node actions are still sent,
-flagged dry-run, so the agent can say what it would have done (whom it would have shed).
+Per action, ``dispatched`` says ``owed`` (a delivery is in the outbox; its end appears in
+the audit stream as a ``delivery`` record), ``command`` (with its id), ``dry_run``,
+``suppressed`` (cooldown), ``not_configured``, ``n/a`` or ``stale``. A rule in dry-run
+sends nothing to receivers; its node actions are still sent, flagged dry-run, so the agent
+can say what it would have done (whom it would have shed).
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from oomcast.model.control import new_command, sign_command
+from oomcast.model.control import DESTRUCTIVE_ACTIONS, new_command, node_key, sign_command
 from oomcast.model.wire import Keys
+from oomcast.service.delivery import Target, new_delivery
+from oomcast.service.outbox import Delivery, Outbox
 from oomcast.service.rules import NODE_ACTIONS, Alert, Rule
 
 log = logging.getLogger(__name__)
@@ -37,14 +42,6 @@ MISSING_SETTING = {
     "checkpoint": "OOMCAST_CONTROL_SECRET",
     "shed": "OOMCAST_CONTROL_SECRET",
 }
-
-
-class Notifier(Protocol):
-    """A sender of alerts to receivers (``WebhookSender``, ``AlertmanagerSender``)."""
-
-    def has_room(self) -> bool: ...
-
-    def submit(self, payload: Mapping[str, Any]) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -59,10 +56,12 @@ class NodeCommand:
 
 @dataclass(frozen=True)
 class Dispatched:
-    """What was done with one alert: its audit record and the node commands to write."""
+    """What was done with one alert: its audit record, the node commands to write and the
+    deliveries to owe."""
 
     record: Mapping[str, Any]
     commands: tuple[NodeCommand, ...] = ()
+    deliveries: tuple[Delivery, ...] = ()
 
 
 class Dispatcher:
@@ -71,18 +70,22 @@ class Dispatcher:
         keys: Keys,
         rules: list[Rule],
         *,
-        webhook: Notifier | None = None,
-        alertmanager: Notifier | None = None,
+        webhook: Target | None = None,
+        alertmanager: Target | None = None,
+        outbox: Outbox | None = None,
         control_secret: str | None = None,
         command_ttl_s: float = 30.0,
         stale_after_s: float = 60.0,
         on_command: Callable[[str, str], None] | None = None,
     ) -> None:
         self.keys = keys
-        self.notifiers: dict[str, Notifier | None] = {
+        self.targets: dict[str, Target | None] = {
             "webhook": webhook,
             "alertmanager": alertmanager,
         }
+        if outbox is None and (webhook is not None or alertmanager is not None):
+            raise ValueError("webhook and Alertmanager deliveries need an outbox to be owed in")
+        self.outbox = outbox  # where the ingest loop stages the deliveries (Ingestor.commit)
         self.control_secret = control_secret
         self.command_ttl_s = command_ttl_s
         self.stale_after_s = stale_after_s
@@ -101,7 +104,7 @@ class Dispatcher:
     def configured(self, action: str) -> bool:
         if action in NODE_ACTIONS:
             return self.control_secret is not None
-        return self.notifiers.get(action) is not None
+        return self.targets.get(action) is not None
 
     def dispatch(self, alert: Alert, now: float) -> Dispatched:
         """Act on one alert. Never raises: a failure is recorded in ``dispatched``, and
@@ -109,24 +112,27 @@ class Dispatcher:
         payload = alert.to_payload()
         try:
             done, commands, notify = self._decide(alert, now)
+            record = {**payload, "dispatched": done}
+            deliveries = [self._owe(action, record, now) for action in notify]
         except Exception as exc:  # an alert must reach the audit stream whatever happens
             log.exception("dispatching the alert of rule %s failed", alert.rule.name)
             error = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             return Dispatched({**payload, "dispatched": error})
-        record = {**payload, "dispatched": done}
-        for action in notify:
-            notifier = self.notifiers[action]
-            assert notifier is not None
-            if not notifier.submit(record):
-                log.error("%s: the alert was not queued after all", action)
         for command in commands:
             self._on_command(command.action, "dry_run" if command.dry_run else "live")
-        return Dispatched(record, commands)
+        return Dispatched(record, commands, tuple(deliveries))
+
+    def _owe(self, action: str, record: Mapping[str, Any], now: float) -> Delivery:
+        target = self.targets[action]
+        assert target is not None
+        delivery = new_delivery(target, record, now)
+        target.owed(delivery)
+        return delivery
 
     def _decide(
         self, alert: Alert, now: float
     ) -> tuple[dict[str, Any], tuple[NodeCommand, ...], list[str]]:
-        """Per action what is done; the commands to write; the notifiers to hand it to."""
+        """Per action what is done; the commands to write; the targets it is owed to."""
         done: dict[str, Any] = {}
         commands: list[NodeCommand] = []
         notify: list[str] = []
@@ -144,18 +150,16 @@ class Dispatcher:
             elif action in alert.rule.dry_run:
                 done[action] = "dry_run"
             else:
-                notifier = self.notifiers[action]
-                assert notifier is not None
-                room = notifier.has_room()
-                done[action] = "queued" if room else "dropped"
-                if room:
-                    notify.append(action)
+                done[action] = "owed"
+                notify.append(action)
         return done, tuple(commands), notify
 
     def _command(self, action: str, alert: Alert, now: float) -> tuple[Any, NodeCommand | None]:
         """What the record says of a node action, and the signed command, if one is sent."""
         if alert.status != "firing":
             return "n/a", None  # a node action happens when an episode starts, not when it ends
+        if action in DESTRUCTIVE_ACTIONS and alert.unattested is not None:
+            return f"refused: {alert.unattested}", None
         assert self.control_secret is not None
         age = now - alert.observed_at
         if age > self.stale_after_s:
@@ -195,7 +199,8 @@ class Dispatcher:
         )
         signed = NodeCommand(
             self.keys.control(alert.node),
-            sign_command(cmd, self.control_secret),
+            # each node's commands under its own key: a node's stolen key acts on it alone
+            sign_command(cmd, node_key(self.control_secret, alert.node)),
             action,
             bool(cmd["dry_run"]),
         )

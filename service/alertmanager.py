@@ -1,19 +1,19 @@
-"""Push oomcast's alerts to Prometheus Alertmanager (``POST /api/v2/alerts``), off the ingest path.
+"""Push oomcast's alerts to Prometheus Alertmanager (``POST /api/v2/alerts``).
 
-The lifecycle is the webhook sender's: ``submit`` never waits (a full queue drops the alert and
-counts the drop), deliveries run as background tasks with exponential backoff up to a cap.
+Delivery is the outbox's (``service/outbox.py``, ``service/delivery.py``): a firing alert's
+first push and its resolve are owed durably, retried across restarts, and go in order per
+alert (node, device, alertname), so a resolve never lands before an older firing still being
+retried (Alertmanager would take that late firing as the newest word and bring the alert
+back).
 
 Alertmanager keeps an alert active until its ``endsAt`` passes, so a firing alert is posted
-with ``endsAt`` a few re-send periods ahead and re-sent every ``resend_s`` while its episode
-fires (what Alertmanager asks of its clients); a resolved one is posted with ``endsAt`` = the
-time it resolved, which ends it at once. If oomcast dies mid-episode, or a resolve is lost,
-the alert still ends on its own within ``max(3 * resend_s, 5 min)``.
-
-Deliveries of one alert, keyed by (node, device, alertname), stay in order: a resolve never
-lands before an older firing that is still being retried (Alertmanager would take that late
-firing as the newest word and bring the alert back). A re-send is skipped while an earlier
-delivery of the same alert is still queued or retrying, and one that failed outright is made
-good by the next re-send.
+with ``endsAt`` a lease ahead (``max(3 * resend_s, 5 min)`` from each attempt) and re-sent
+every ``resend_s`` while its episode fires (what Alertmanager asks of its clients); a resolved
+one is posted with ``endsAt`` = the time it resolved, which ends it at once. Re-sends are
+keep-alives, not owed alerts: the replica whose ingest holds the episode stages one every
+``resend_s`` into the same ordered queue, only when nothing of that alert is owed already,
+with a lifetime of one period and no audit record. If oomcast dies mid-episode, the re-sends
+stop with it and the alert still ends on its own when its lease runs out.
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ import json
 import logging
 import re
 import time
-from collections import Counter
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
-from oomcast.service.delivery import OrderedSender
+from oomcast.service.outbox import Delivery, Outbox
 
 log = logging.getLogger(__name__)
 
@@ -145,142 +144,130 @@ def annotations_for(payload: Mapping[str, Any]) -> dict[str, str]:
 
 
 @dataclass(slots=True)
-class _Delivery:
-    key: AlertKey
-    payload: Mapping[str, Any]
-    starts_at: float
-    ends_at: float | None  # None: firing, endsAt is set when each attempt is made
-
-
-@dataclass(slots=True)
 class _Firing:
     payload: Mapping[str, Any]
-    starts_at: float
     due: float  # time.monotonic() of the next re-send
 
 
-class AlertmanagerSender(OrderedSender):
-    what = "alertmanager"
+class AlertmanagerTarget:
+    name = "alertmanager"
 
     def __init__(
         self,
         url: str,
+        outbox: Outbox,
         *,
         resend_s: float = 60.0,
-        timeout_s: float = 5.0,
-        max_attempts: int = 6,
-        backoff_s: float = 0.5,
-        backoff_max_s: float = 30.0,
-        queue_size: int = 1000,
-        on_result: Callable[[str], None] | None = None,
         generator_url: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if resend_s <= 0:
             raise ValueError("resend_s must be positive")
-        super().__init__(
-            timeout_s=timeout_s,
-            max_attempts=max_attempts,
-            backoff_s=backoff_s,
-            backoff_max_s=backoff_max_s,
-            queue_size=queue_size,
-            on_result=on_result,
-        )
         self.url = url.rstrip("/") + "/api/v2/alerts"
+        self.outbox = outbox
         self.resend_s = resend_s
         self.lease_s = max(3 * resend_s, MIN_LEASE_S)
         self.generator_url = generator_url
         self._clock = clock
-        self._resender: asyncio.Task[None] | None = None
         self._firing: dict[AlertKey, _Firing] = {}
-        self._pending: Counter[AlertKey] = Counter()  # queued or in flight, per alert
+        self._resender: asyncio.Task[None] | None = None
 
     @property
     def firing(self) -> list[AlertKey]:
         """The alerts being kept alive by re-sends."""
         return list(self._firing)
 
-    def submit(self, payload: Mapping[str, Any]) -> bool:
-        """Queue a firing or resolved alert; never waits. False if it was not queued."""
-        status = payload.get("status")
-        key = alert_key(payload)
-        now = self._clock()
+    def order_key(self, payload: Mapping[str, Any]) -> str:
+        return json.dumps(list(alert_key(payload)), separators=(",", ":"))
+
+    def owed(self, delivery: Delivery) -> None:
+        """A firing alert is kept alive from now on, until its resolve is owed."""
+        if delivery.quiet:
+            return
+        status = delivery.payload.get("status")
         if status == "firing":
-            fired_at = payload.get("fired_at")
-            starts_at = float(fired_at) if fired_at is not None else now
-            # Kept even when the queue is full: the next re-send delivers it.
-            self._firing[key] = _Firing(payload, starts_at, time.monotonic() + self.resend_s)
-            return self._enqueue(_Delivery(key, payload, starts_at, None))
-        if status == "resolved":
-            was = self._firing.pop(key, None)
-            fired_at = payload.get("fired_at")
-            if fired_at is not None:
-                starts_at = float(fired_at)
-            else:
-                starts_at = was.starts_at if was is not None else now
-            return self._enqueue(_Delivery(key, payload, min(starts_at, now), now))
-        log.error("alertmanager: ignored an alert with status %r for %s/%s", status, *key[:2])
-        return False
+            payload = dict(delivery.payload)
+            if payload.get("fired_at") is None:
+                payload["fired_at"] = delivery.created_at
+            self.keep_alive(payload)
+        elif status == "resolved":
+            self._firing.pop(alert_key(delivery.payload), None)
 
-    def _enqueue(self, delivery: _Delivery) -> bool:
-        if not self._put(delivery.key, delivery, _describe(delivery)):
-            return False
-        self._pending[delivery.key] += 1
-        return True
+    def forget(self, domains: set[tuple[str, str]]) -> None:
+        """Stop re-sending the alerts of ``domains``: another replica owns them now, and a
+        re-send from here after it resolved them would bring them back in Alertmanager."""
+        for key in [k for k in self._firing if (k[0], k[1]) in domains]:
+            del self._firing[key]
 
-    def _finished(self, key: Hashable) -> None:
-        alert = cast(AlertKey, key)  # this sender queues by AlertKey
-        self._pending[alert] -= 1
-        if self._pending[alert] <= 0:
-            del self._pending[alert]
+    def keep_alive(self, payload: Mapping[str, Any]) -> None:
+        """Re-send this firing alert every ``resend_s`` from now on, until its resolve is
+        owed: for an episode this replica took over from another (its first push was owed
+        there), which Alertmanager would otherwise let lapse when its lease runs out."""
+        self._firing[alert_key(payload)] = _Firing(payload, time.monotonic() + self.resend_s)
 
     async def start(self) -> None:
-        await super().start()
         self._resender = asyncio.create_task(self._resend(), name="alertmanager-resend")
 
-    async def stop(self, grace_s: float = 2.0) -> None:
-        """Stop re-sending; give queued and in-flight deliveries ``grace_s`` to finish, then
-        cancel them. Alerts still firing in Alertmanager end when their ``endsAt`` passes."""
+    async def stop(self) -> None:
+        """Stop re-sending. Alerts still firing in Alertmanager end when their lease runs
+        out, unless another oomcast takes their domains over and fires them again."""
         if self._resender:
             self._resender.cancel()
             await asyncio.gather(self._resender, return_exceptions=True)
-        await super().stop(grace_s)
 
     async def _resend(self) -> None:
         while True:
             now = time.monotonic()
             wait = self.resend_s
-            for key, st in list(self._firing.items()):
+            due = []
+            for st in self._firing.values():
                 if st.due <= now:
                     st.due = now + self.resend_s
-                    # One still queued or retrying carries the same alert, fresher at its
-                    # next attempt: no need to stack another behind it.
-                    if self._pending[key] == 0:
-                        self._enqueue(_Delivery(key, st.payload, st.starts_at, None))
+                    due.append(self._keepalive(st.payload))
                 wait = min(wait, st.due - now)
+            if due:
+                try:
+                    # only where nothing of the alert is owed: one still owed carries the
+                    # same alert, with a fresh lease at its next attempt
+                    await self.outbox.put(due, self._clock(), idle_only=True)
+                except Exception as exc:  # the next period tries again; the lease covers it
+                    log.warning("alertmanager: re-sends not staged (%s)", exc)
             await asyncio.sleep(max(wait, 0.01))
 
-    def _body(self, delivery: _Delivery) -> bytes:
+    def _keepalive(self, payload: Mapping[str, Any]) -> Delivery:
+        now = self._clock()
+        return Delivery(
+            id=f"{payload.get('episode')}.resend.{round(now * 1000)}.{self.name}",
+            target=self.name,
+            order=self.order_key(payload),
+            payload=payload,
+            created_at=now,
+            quiet=True,
+            max_age_s=self.resend_s,
+        )
+
+    def body(self, delivery: Delivery, now: float) -> bytes:
         """The JSON list of one alert, as Alertmanager's API v2 takes it."""
-        ends_at = delivery.ends_at
-        if ends_at is None:
-            ends_at = max(self._clock(), delivery.starts_at) + self.lease_s
+        payload = delivery.payload
+        fired_at = payload.get("fired_at")
+        starts_at = float(fired_at) if fired_at is not None else delivery.created_at
+        if payload.get("status") == "resolved":
+            resolved_at = float(payload.get("sent_at") or delivery.created_at)
+            starts_at = min(starts_at, resolved_at)
+            ends_at = resolved_at
+        else:
+            ends_at = max(now, starts_at) + self.lease_s
         alert: dict[str, Any] = {
-            "labels": labels_for(delivery.payload),
-            "annotations": annotations_for(delivery.payload),
-            "startsAt": rfc3339(delivery.starts_at),
+            "labels": labels_for(payload),
+            "annotations": annotations_for(payload),
+            "startsAt": rfc3339(starts_at),
             "endsAt": rfc3339(ends_at),
         }
         if self.generator_url:
             alert["generatorURL"] = self.generator_url
         return json.dumps([alert], separators=(",", ":")).encode()
 
-    async def _deliver(self, delivery: _Delivery) -> None:
+    def request(self, delivery: Delivery, now: float) -> tuple[str, bytes, dict[str, str]]:
+        # built anew for each attempt: a firing's endsAt moves on
         headers = {"Content-Type": "application/json", "User-Agent": "oomcast"}
-        # the body anew for each attempt: a firing's endsAt moves on
-        await self._post(self.url, lambda: self._body(delivery), headers, _describe(delivery))
-
-
-def _describe(delivery: _Delivery) -> str:
-    node, device, name = delivery.key
-    return f"{delivery.payload.get('status')} {name} for {node}/{device}"
+        return self.url, self.body(delivery, now), headers

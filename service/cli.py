@@ -3,7 +3,7 @@ its own and imports what it needs when it runs, so the collector image (no fasta
 service image (no torch) both run this entry point:
 
 - ``cli_service``: ``serve``, ``demo``, ``bench``
-- ``cli_collect``: ``collect`` (the node agent)
+- ``cli_collect``: ``collect`` (the node agent), ``control-key`` (a node's key)
 - ``cli_training``: ``dump``, ``simulate``, ``evaluate``, ``train``, ``export``, ``card``
 
 Flag defaults that come from ``OOMCAST_*`` variables are read once, here, through
@@ -47,6 +47,7 @@ def build_parser(env: CommandEnv | None = None) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     cli_service.add_parsers(sub, env)
     cli_collect.add_parser(sub, env)
+    cli_collect.add_control_key_parser(sub, env)
     cli_training.add_parsers(sub)
     cli_service.add_bench_parser(sub)
     return p

@@ -1,5 +1,11 @@
 """``oomcast collect``: a node agent. Sources, the Redis publisher, ``/metrics``, and the
-control listener that carries out the service's signed commands."""
+control listener that carries out the service's signed commands; and ``oomcast
+control-key``, which prints a node's key.
+
+The agent's key is ``OOMCAST_NODE_KEY``, its node's own (``oomcast control-key --node
+NAME`` prints it from the master ``OOMCAST_CONTROL_SECRET``). With it the agent attests its
+samples and takes the service's commands; an agent given the master secret instead derives
+its key from it, and warns: a node should hold only its own key."""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from oomcast.model.wire import redis_url_from_env
+from oomcast.model.wire import redact_url, redis_url_from_env
 from oomcast.service.cli_common import PROG, UsageError, keys_from_env, stop_on_signals
 from oomcast.service.settings import CommandEnv
 
@@ -47,7 +53,7 @@ def _build_sources(args: argparse.Namespace) -> list[Any]:
                 raise UsageError("--source replay needs --trace FILE")
             if not Path(args.trace).is_file():
                 raise UsageError(f"--trace {args.trace}: no such file")
-            sources.append(ReplaySource(args.trace, speed=args.speed))
+            sources.append(ReplaySource(args.trace, speed=args.speed, keep_ts=args.keep_ts))
         elif name == "sim":
             from oomcast.collectors.sources.sim import SimGPU, SimSource
 
@@ -127,6 +133,10 @@ def cmd_collect(args: argparse.Namespace) -> int:
     from oomcast.collectors.publisher import StreamPublisher
 
     env: CommandEnv = args.env
+    if not 0 <= args.confirm_tolerance <= 100:
+        raise UsageError(
+            f"--confirm-tolerance {args.confirm_tolerance:g}: must be 0 to 100 percentage points"
+        )
     sources = _build_sources(args)
     url = args.redis_url or redis_url_from_env()
     client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=2.0)
@@ -140,8 +150,16 @@ def cmd_collect(args: argparse.Namespace) -> int:
     intervals = [float(getattr(s, "interval_s", args.interval)) for s in sources]
     if "replay" in _parse_sources(args.source):
         intervals.append(0.05)
-    agent = NodeAgent(sources, publisher, keys_from_env(), interval_s=min(intervals))
-    listener = _control_listener(args, client, agent)
+    key = agent_key(env, args.node)
+    agent = NodeAgent(
+        sources,
+        publisher,
+        keys_from_env(),
+        interval_s=min(intervals),
+        node=args.node,
+        node_key=key,
+    )
+    listener = _control_listener(args, client, agent, key)
     extra = [listener] if listener is not None else []
     http = None
     explicit = args.metrics_port is not None or env.agent_metrics_port is not None
@@ -162,7 +180,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
     logging.getLogger(PROG).info(
         "collecting from %s into %s%s",
         args.source,
-        url,
+        redact_url(url),
         f"; metrics on http://{args.metrics_host}:{http.port}/metrics" if http else "",
     )
     try:
@@ -188,20 +206,49 @@ def cmd_collect(args: argparse.Namespace) -> int:
     return 0 if publisher.buffered_samples == 0 else 1
 
 
-def _control_listener(args: argparse.Namespace, client: Any, agent: Any) -> Any:
-    """The agent's side of the control path, when OOMCAST_CONTROL_SECRET is set: signed
-    commands from the service are verified, then carried out (checkpoint, shed)."""
-    env: CommandEnv = args.env
-    secret = env.control_secret.get_secret_value() if env.control_secret else None
-    if not secret:
-        logging.getLogger(PROG).info("no OOMCAST_CONTROL_SECRET: this agent takes no commands")
+def agent_key(env: CommandEnv, node: str) -> str | None:
+    """This agent's key: ``OOMCAST_NODE_KEY``, else derived from the master
+    ``OOMCAST_CONTROL_SECRET`` (with a warning), else None (no attestation, no commands)."""
+    from oomcast.model.control import node_key
+
+    log = logging.getLogger(PROG)
+    own = env.node_key.get_secret_value() if env.node_key else None
+    master = env.control_secret.get_secret_value() if env.control_secret else None
+    if own:
+        if master:
+            log.warning(
+                "both OOMCAST_NODE_KEY and OOMCAST_CONTROL_SECRET are set: using the node key;"
+                " remove the master secret from this node (it signs for every node)"
+            )
+        return own
+    if master:
+        log.warning(
+            "OOMCAST_CONTROL_SECRET (the master key) is set on node %s: deriving the node's key"
+            " from it. A node should hold only its own key: set OOMCAST_NODE_KEY to the output"
+            " of `oomcast control-key --node %s` and remove OOMCAST_CONTROL_SECRET here",
+            node,
+            node,
+        )
+        return node_key(master, node)
+    log.info("no OOMCAST_NODE_KEY: this agent's samples are not attested and it takes no commands")
+    return None
+
+
+def _control_listener(args: argparse.Namespace, client: Any, agent: Any, key: str | None) -> Any:
+    """The agent's side of the control path, when it has a key: signed commands from the
+    service are verified, proven against the agent's own reading of the domain when live,
+    then carried out (checkpoint, shed)."""
+    if not key:
         return None
     from oomcast.collectors.actions import CheckpointAction, Executor, ShedAction
     from oomcast.collectors.control import ControlListener, make_resolve
     from oomcast.collectors.procinfo import ProcResolver
+    from oomcast.collectors.proof import make_measure
 
-    nvml = next((s for s in agent.sources if getattr(s, "name", "") == "nvml"), None)
-    cgroups = next((s for s in agent.sources if getattr(s, "name", "") == "cgroup"), None)
+    def source(name: str) -> Any:
+        return next((s for s in agent.sources if getattr(s, "name", "") == name), None)
+
+    nvml, cgroups = source("nvml"), source("cgroup")
     uids = {int(u) for u in args.shed_uids.split(",") if u.strip()} if args.shed_uids else None
     shed = ShedAction(
         grace_s=args.shed_grace,
@@ -213,13 +260,54 @@ def _control_listener(args: argparse.Namespace, client: Any, agent: Any) -> Any:
         "checkpoint": CheckpointAction(client, agent.keys, ack_timeout_s=args.checkpoint_timeout),
         "shed": shed,
     }
+    cgroup_root = cgroups.root if cgroups is not None else None
     resolve = make_resolve(
         nvml=nvml,
-        cgroup_root=cgroups.root if cgroups is not None else None,
+        cgroup_root=cgroup_root,
         procs=ProcResolver(args.proc_root, priorities=_priorities(args.priority)),
         proc_root=args.proc_root,
     )
-    return ControlListener(client, agent.keys, args.node, secret, executors, resolve)
+    measure = make_measure(nvml=nvml, cgroup_root=cgroup_root, sim=source("sim"))
+    return ControlListener(
+        client,
+        agent.keys,
+        args.node,
+        key,
+        executors,
+        resolve,
+        measure=measure,
+        confirm_tolerance=args.confirm_tolerance / 100.0,
+    )
+
+
+def cmd_control_key(args: argparse.Namespace) -> int:
+    """Print the key of ``--node``, derived from the master secret in OOMCAST_CONTROL_SECRET."""
+    from oomcast.model.control import node_key
+
+    env: CommandEnv = args.env
+    master = env.control_secret.get_secret_value() if env.control_secret else None
+    if not master:
+        raise UsageError(
+            "OOMCAST_CONTROL_SECRET is not set: node keys are derived from the master secret"
+            " the service holds; run this where that secret is"
+        )
+    if not args.node.strip():
+        raise UsageError("--node must be a non-empty node name")
+    print(node_key(master, args.node))
+    return 0
+
+
+def add_control_key_parser(sub: Any, env: CommandEnv) -> None:
+    k = sub.add_parser(
+        "control-key",
+        help="print a node's key (for its agent's OOMCAST_NODE_KEY)",
+        description="Print the key of one node, derived from the master secret in"
+        " OOMCAST_CONTROL_SECRET. Give it to that node's agent as OOMCAST_NODE_KEY: it"
+        " verifies the service's commands to that node and attests the node's samples, and"
+        " is worth nothing on any other node.",
+    )
+    k.add_argument("--node", required=True, help="the node's name, as its agent's --node")
+    k.set_defaults(func=cmd_control_key, env=env)
 
 
 def add_parser(sub: Any, env: CommandEnv) -> None:
@@ -232,6 +320,13 @@ def add_parser(sub: Any, env: CommandEnv) -> None:
     c.add_argument("--source", required=True, help="comma-separated: nvml, cgroup, sim, replay")
     c.add_argument("--trace", help="trace file to replay (.jsonl or .jsonl.gz)")
     c.add_argument("--speed", type=float, default=1.0, help="replay or simulate this much faster")
+    c.add_argument(
+        "--keep-ts",
+        action="store_true",
+        help="replay with the trace's own timestamps (the service must then run with"
+        " OOMCAST_MAX_TS_SKEW_S=0); by default the first record is stamped with the time the"
+        " replay starts, the spacing kept",
+    )
     c.add_argument("--interval", type=float, default=1.0, help="sim sampling interval, seconds")
     c.add_argument("--nvml-interval", type=float, default=1.0, help="seconds between NVML samples")
     c.add_argument(
@@ -280,6 +375,15 @@ def add_parser(sub: Any, env: CommandEnv) -> None:
         type=float,
         default=120.0,
         help="seconds a job has to report its checkpoint saved",
+    )
+    c.add_argument(
+        "--confirm-tolerance",
+        type=float,
+        default=env.confirm_tolerance_pp,
+        metavar="POINTS",
+        help="before a live action the agent measures the domain itself; it refuses the"
+        " command unless the used fraction it reads is at least the claimed one less this"
+        " many percentage points (default $OOMCAST_CONFIRM_TOLERANCE_PP or 5)",
     )
     c.add_argument(
         "--shed-grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL"

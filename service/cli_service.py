@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from oomcast.model.wire import redis_url_from_env
+from oomcast.model.wire import redact_url, redis_url_from_env
 from oomcast.service.cli_common import UsageError
 from oomcast.service.settings import CommandEnv
 
@@ -30,6 +30,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "faults":
+        return _bench_faults(args)
     url = args.redis_url or redis_url_from_env()
     result: dict[str, Any]
     if args.what == "inference":
@@ -49,13 +51,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
         try:
             result = bench_agent(url, seconds=args.seconds, hz=args.hz, domains=args.domains)
         except redis.RedisError as exc:
-            raise UsageError(f"bench agent needs a Redis at {url}: {exc}") from None
+            raise UsageError(f"bench agent needs a Redis at {redact_url(url)}: {exc}") from None
     if args.json:
         print(json.dumps(result))
     else:
         for key, value in result.items():
             print(f"{key:40} {value}")
     return 0
+
+
+def _bench_faults(args: argparse.Namespace) -> int:
+    """``oomcast bench faults``: exit 1 when any scenario lost something or acted wrongly."""
+    import sys
+
+    from oomcast.service.faults import FaultBenchError, format_text, parse_only, run_faults
+
+    try:
+        names = parse_only(args.only)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.receiver_down_s <= 0:
+        raise UsageError(f"--receiver-down-s {args.receiver_down_s:g}: must be positive")
+    say = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    try:
+        result = run_faults(names, receiver_down_s=args.receiver_down_s, progress=say)
+    except FaultBenchError as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print("\n".join(format_text(result)))
+    return 0 if result["ok"] else 1
 
 
 def _bench_model(path: str | None) -> tuple[Path, str]:
@@ -121,9 +147,10 @@ def add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="measure a hot path")
     b.add_argument(
         "what",
-        choices=["inference", "hook", "agent"],
+        choices=["inference", "hook", "agent", "faults"],
         help="inference: the forecaster per sample; hook: the in-process hook's step();"
-        " agent: the node agent's CPU use",
+        " agent: the node agent's CPU use; faults: the fault scenarios on real processes"
+        " (docs/bench.md)",
     )
     b.add_argument("--model", help="ONNX model (default: shipped, else an untrained one)")
     b.add_argument("--seconds", type=float, default=2.0, help="per measurement (agent: total)")
@@ -131,5 +158,19 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--hz", type=float, default=10.0, help="agent: sampling rate")
     b.add_argument("--domains", type=int, default=8, help="agent: memory cgroups watched")
     b.add_argument("--redis-url", default=None, help="hook, agent: default $OOMCAST_REDIS_URL")
+    b.add_argument(
+        "--only",
+        default=None,
+        metavar="NAME[,NAME]",
+        help="faults: run these scenarios only (redis_restart, service_sigkill,"
+        " receiver_down, replica_loss, forged_command, forged_sample, maxmemory,"
+        " oversized_body)",
+    )
+    b.add_argument(
+        "--receiver-down-s",
+        type=float,
+        default=60.0,
+        help="faults: how long the webhook receiver is down",
+    )
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)

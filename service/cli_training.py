@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from oomcast.model.wire import redis_url_from_env
+from oomcast.model.wire import redact_url, redis_url_from_env
 from oomcast.service.cli_common import (
     CORPUS_TRACES,
     HOST_TRACES,
@@ -38,7 +38,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
             until=args.until,
         )
     except redis.RedisError as exc:
-        raise UsageError(f"cannot read from Redis at {url}: {exc}") from None
+        raise UsageError(f"cannot read from Redis at {redact_url(url)}: {exc}") from None
     print(
         f"wrote {result.path}: {result.samples} samples of {len(result.domains)} domains"
         f" ({', '.join(result.domains)}), {result.events} events ({result.ooms} oom);"

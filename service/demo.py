@@ -7,6 +7,10 @@ signature; then it shows the service's view of the GPUs through its own REST API
 Everything it started is stopped on Ctrl-C (or after ``--duration``), and the keys it wrote
 (prefix ``oomcast-demo``) are removed.
 
+Keys are handed out as on a real cluster (docs/security.md): the service holds a fresh
+master control secret, each node's agent only its own node key (``collector_env``), with
+which it attests its samples and verifies the service's commands.
+
 The simulated GPUs (``NODES``) mix jobs that run out of memory with jobs that only look
 busy; ``demo-node-a/gpu0`` runs a ``fast_leak`` that climbs from its start-up level to an
 OOM 62-80 s after its collector starts, so every demo shows an OOM, and whether it was
@@ -34,7 +38,8 @@ import redis
 import uvicorn
 from pydantic import SecretStr
 
-from oomcast.model.wire import DEFAULT_REDIS_URL
+from oomcast.model.control import node_key
+from oomcast.model.wire import DEFAULT_REDIS_URL, redact_url
 from oomcast.service.demo_inbox import WebhookInbox
 from oomcast.service.demo_summary import summarize
 from oomcast.service.demo_view import watch
@@ -82,13 +87,13 @@ def redis_for_demo(
     url = None if private else configured
     if url:
         if not _answers(url):
-            raise DemoError(f"OOMCAST_REDIS_URL={url} does not answer")
-        say(f"Redis: {url} (from OOMCAST_REDIS_URL)")
+            raise DemoError(f"OOMCAST_REDIS_URL={redact_url(url)} does not answer")
+        say(f"Redis: {redact_url(url)} (from OOMCAST_REDIS_URL)")
         yield url
         return
     url = DEFAULT_REDIS_URL
     if not private and _answers(url):
-        say(f"Redis: {url} (found running)")
+        say(f"Redis: {redact_url(url)} (found running)")
         yield url
         return
     exe = shutil.which("redis-server")
@@ -187,20 +192,30 @@ def collector_argv(node: str, patterns: Sequence[str], seed: int, speed: float) 
     ]
 
 
-@contextlib.contextmanager
-def collectors(url: str, speed: float) -> Iterator[list[subprocess.Popen[bytes]]]:
+def collector_env(url: str, node: str, master_secret: str) -> dict[str, str]:
+    """The environment of one simulated node's agent: its own node key, never the master
+    secret (which the demo's service alone holds), as on a real cluster."""
     env = child_env(
         {
             "OOMCAST_REDIS_URL": url,
             "OOMCAST_KEY_PREFIX": PREFIX,
             "OOMCAST_PARTITIONS": str(PARTITIONS),
             "OOMCAST_LOG_LEVEL": "warning",
+            "OOMCAST_NODE_KEY": node_key(master_secret, node),
         }
     )
+    env.pop("OOMCAST_CONTROL_SECRET", None)
+    return env
+
+
+@contextlib.contextmanager
+def collectors(
+    url: str, speed: float, master_secret: str
+) -> Iterator[list[subprocess.Popen[bytes]]]:
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "oomcast.service.cli", *collector_argv(*node, speed)],
-            env=env,
+            env=collector_env(url, node[0], master_secret),
             stdout=subprocess.DEVNULL,
             start_new_session=True,  # stopped by the demo with SIGTERM, not by the terminal
         )
@@ -244,7 +259,8 @@ def run_demo(
     # `kill -USR1 <pid>` prints every thread's stack to stderr: how to see a stuck demo.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     say: Callable[[str], object] = print
-    secret = secrets.token_hex(16)
+    secret = secrets.token_hex(16)  # signs the webhooks
+    control_secret = secrets.token_hex(32)  # the master key: node keys derive from it
     try:
         with redis_for_demo(say, private_redis, redis_url) as url, WebhookInbox(secret) as inbox:
             _delete_demo_keys(url)
@@ -255,8 +271,12 @@ def run_demo(
                 consumer_name="demo",
                 webhook_url=inbox.url,
                 webhook_secret=SecretStr(secret),
+                control_secret=SecretStr(control_secret),
             )
-            with service_in_thread(settings, port or free_port()) as base, collectors(url, speed):
+            with (
+                service_in_thread(settings, port or free_port()) as base,
+                collectors(url, speed, control_secret),
+            ):
                 say(f"service: {base}  (try {base}/v1/devices or {base}/docs)")
                 ready = httpx.get(f"{base}/readyz", timeout=5).json()
                 kind = ready["forecaster"]["kind"]

@@ -6,8 +6,9 @@ batch of entries down one pipeline, top to bottom (``Ingestor.process``):
 2. **forecast and evaluate rules**: ``LiveState.apply`` forecasts each round of samples and
    runs every rule on each forecast (``service/rules.py`` decides), giving ``Alert``s;
 3. **dispatch** each alert (``Dispatcher.dispatch``): its audit record and node commands;
-   webhooks and Alertmanager get the finished record, queued, never waited on;
-4. **commit** the audit records and dead letters, then the node commands, to Redis;
+   webhook and Alertmanager deliveries of the finished record, to owe (never waited on);
+4. **commit** the audit records, the deliveries they owe (into the outbox) and dead
+   letters, then the node commands, to Redis;
 5. **acknowledge** the entries (``XACK``), only once their effects are on record.
 
 So a crash loses nothing: on restart the service first re-reads its own pending entries
@@ -16,10 +17,12 @@ left pending for longer than ``claim_idle_ms`` (``XAUTOCLAIM``). Records and com
 could not be written are kept (``Commit``) and written with the next batch, so a Redis blip
 does not leave the audit stream short of an alert already sent.
 
-A replica owns a set of partitions (all by default); several replicas split the nodes by
-owning disjoint sets, so each domain's state lives on exactly one replica. Every replica
-reads the whole events stream through a consumer group of its own and keeps the events of
-the nodes it owns.
+A replica reads the partitions it holds a lease on (``service/ownership.py``; or the fixed
+set ``OOMCAST_PARTITIONS_OWNED`` names), so each domain's state lives on exactly one
+replica, and a dead replica's partitions are taken over, with their snapshots, within the
+lease's takeover time. Before it acts on a batch the loop checks that the batch's partition
+is still its own. Every replica reads the whole events stream through a consumer group of
+its own and keeps the events of the nodes it owns.
 
 A malformed entry goes to the dead-letter stream with the reason and is acknowledged;
 ingest carries on. Lost connections are retried with backoff; the loop never exits on its
@@ -29,7 +32,6 @@ own.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import time
@@ -42,29 +44,31 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from oomcast.model.schema import Event, Sample, SchemaError
-from oomcast.model.wire import DecodedSample, Keys, decode_event, decode_samples
+from oomcast.model.schema import Domain
+from oomcast.model.wire import Keys
 from oomcast.service.actions import Dispatched, NodeCommand
+from oomcast.service.decode import (
+    AUDITED_EVENTS,
+    DeadLetter,
+    Decoded,
+    KeyForNode,
+    StreamEntries,
+    _audit_record,
+    _dumps,
+    _s,
+    decode_event_entries,
+    decode_sample_entries,
+)
+from oomcast.service.leases import PartitionOwner, StaticPartitions
 from oomcast.service.metrics import Metrics
+from oomcast.service.outbox import Delivery, Outbox
+from oomcast.service.ownership import Ownership, Snapshots
 from oomcast.service.rules import Alert
-from oomcast.service.state import Embedding, LiveState
+from oomcast.service.snapshot import SnapshotStore
+from oomcast.service.state import LiveState
 
 log = logging.getLogger(__name__)
 
-Fields = Mapping[bytes | str, bytes | str]
-StreamEntries = Sequence[tuple[bytes | str, Fields | None]]
-DeadLetter = dict[str, bytes | str]
-# What the node agents and in-job hooks report about actions: kept in the audit stream, next to
-# the alerts that caused them, so /v1/alerts tells the whole story of an episode.
-AUDITED_EVENTS = frozenset(
-    {
-        "action_result",
-        "command_refused",
-        "checkpoint_requested",
-        "checkpoint_done",
-        "checkpoint_failed",
-    }
-)
 APPLY_CHUNK = 4096  # samples forecast between two yields to the event loop
 EXPIRE_EVERY_S = 5.0
 
@@ -77,28 +81,10 @@ def _reraise_if_cancelled(exc: BaseException) -> None:
         raise asyncio.CancelledError() from exc
 
 
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
-
-
 class AlertDispatcher(Protocol):
+    outbox: Outbox | None  # where the deliveries it decides are owed
+
     def dispatch(self, alert: Alert, now: float) -> Dispatched: ...
-
-
-@dataclass
-class Decoded:
-    """A batch of entries, read: samples (with the node's embeddings, where they match the
-    model's schema) or events, and dead letters for what could not be read."""
-
-    samples: list[Sample] = field(default_factory=list)
-    embeddings: list[Embedding] = field(default_factory=list)
-    arrived_ms: list[int] = field(default_factory=list)  # when Redis received each sample
-    events: list[tuple[Event, Fields]] = field(default_factory=list)
-    deadletters: list[DeadLetter] = field(default_factory=list)
 
 
 @dataclass
@@ -108,67 +94,19 @@ class Evaluated:
     alerts: list[Alert] = field(default_factory=list)
     audit_events: list[dict[str, Any]] = field(default_factory=list)
     deadletters: list[DeadLetter] = field(default_factory=list)
+    touched: list[Domain] = field(default_factory=list)  # domains whose state moved
 
 
 @dataclass
 class Commit:
     """What must be on record before the batch is acknowledged: audit records (alerts and
-    audited events) and dead letters, then node commands."""
+    audited events), the deliveries they owe and dead letters, then node commands."""
 
     records: list[Mapping[str, Any]] = field(default_factory=list)
     deadletters: list[DeadLetter] = field(default_factory=list)
     commands: list[NodeCommand] = field(default_factory=list)
-
-
-def deadletter(stream: str, entry_id: bytes | str, fields: Fields, reason: str) -> DeadLetter:
-    log.warning("dead-lettered entry %s of %s: %s", _s(entry_id), stream, reason)
-    out: DeadLetter = {"stream": stream, "entry_id": _s(entry_id), "reason": reason}
-    for k, v in fields.items():
-        key = _s(k)
-        if key not in out:
-            out[f"orig.{key}"] = v  # what arrived, as it arrived: nothing accepted is lost
-    return out
-
-
-def decode_sample_entries(stream: str, entries: StreamEntries, emb_version: int | None) -> Decoded:
-    """Step 1 for a sample stream."""
-    out = Decoded()
-    for entry_id, fields in entries:
-        if fields is None:
-            continue  # trimmed away before we read it
-        try:
-            decoded = decode_samples(dict(fields))
-        except Exception as exc:  # any undecodable entry, not only the foreseen ones
-            out.deadletters.append(deadletter(stream, entry_id, fields, _reason(exc)))
-            continue
-        ms = int(_s(entry_id).split("-")[0])
-        for item in decoded:
-            if isinstance(item, DecodedSample):
-                out.samples.append(item.sample)
-                # the node's embedding when it speaks the model's schema, else recomputed
-                out.embeddings.append(item.emb if item.emb_v == emb_version else None)
-                out.arrived_ms.append(ms)
-            else:
-                out.deadletters.append(deadletter(stream, entry_id, fields, str(item)))
-    return out
-
-
-def decode_event_entries(
-    stream: str, entries: StreamEntries, keys: Keys, partitions: Sequence[int]
-) -> Decoded:
-    """Step 1 for the events stream: the events of the nodes this replica owns."""
-    out = Decoded()
-    for entry_id, fields in entries:
-        if fields is None:
-            continue
-        try:
-            event = decode_event(dict(fields))
-        except Exception as exc:  # any undecodable entry, not only the foreseen ones
-            out.deadletters.append(deadletter(stream, entry_id, fields, _reason(exc)))
-            continue
-        if keys.partition_of(event.node) in partitions:  # else another replica's node
-            out.events.append((event, fields))
-    return out
+    deliveries: list[Delivery] = field(default_factory=list)
+    snapshots: Snapshots = field(default_factory=Snapshots)  # domain state for a successor
 
 
 class Ingestor:
@@ -188,6 +126,12 @@ class Ingestor:
         alerts_maxlen: int = 10_000,
         deadletter_maxlen: int = 10_000,
         live_after_s: float = 600.0,
+        max_skew_s: float = 0.0,
+        key_for_node: KeyForNode | None = None,
+        owner: PartitionOwner | None = None,
+        snapshots: SnapshotStore | None = None,
+        snapshot_every_s: float = 5.0,
+        snapshot_history: int = 32,
         dispatcher: AlertDispatcher,
     ) -> None:
         self.client = client
@@ -196,17 +140,27 @@ class Ingestor:
         self.metrics = metrics
         self.group = group
         self.consumer = consumer
-        self.partitions = sorted(set(range(keys.partitions) if partitions is None else partitions))
-        if not self.partitions or not all(0 <= p < keys.partitions for p in self.partitions):
+        fixed = sorted(set(range(keys.partitions) if partitions is None else partitions))
+        if not fixed or not all(0 <= p < keys.partitions for p in fixed):
             raise ValueError(f"owned partitions {partitions} must lie in 0..{keys.partitions - 1}")
+        # Leases when given (the service's default), else the fixed set.
+        self.ownership = Ownership(
+            keys,
+            live,
+            owner if owner is not None else StaticPartitions(frozenset(fixed)),
+            snapshots,
+            snapshot_every_s=snapshot_every_s,
+            snapshot_history=snapshot_history,
+        )
         self.read_count = read_count
         self.block_ms = block_ms
         self.claim_idle_ms = claim_idle_ms
         self.alerts_maxlen = alerts_maxlen
         self.deadletter_maxlen = deadletter_maxlen
         self.live_after_s = live_after_s
+        self.max_skew_s = max_skew_s
+        self.key_for_node = key_for_node
         self.dispatcher = dispatcher
-        self.sample_streams = [keys.samples(p) for p in self.partitions]
         # Events: one group per replica, so every replica sees the events of its own nodes.
         self.events_group = f"{group}:{consumer}"
         self.ready = asyncio.Event()  # set once groups exist and our own backlog is drained
@@ -216,6 +170,15 @@ class Ingestor:
         self._last_claim = 0.0
         self._last_expire = time.monotonic()
         self._stopping = False
+
+    @property
+    def partitions(self) -> list[int]:
+        """The partitions this replica reads now."""
+        return self.ownership.partitions
+
+    @property
+    def sample_streams(self) -> list[str]:
+        return self.ownership.streams()
 
     def healthy(self, within_s: float = 10.0) -> bool:
         return self.ready.is_set() and time.monotonic() - self.last_ok < within_s
@@ -229,6 +192,10 @@ class Ingestor:
         if pending:
             task.cancel()
             await asyncio.wait([task], timeout=2.0)
+        try:  # hand the partitions over now, not when the leases lapse
+            await self.ownership.owner.release_all()
+        except Exception as exc:  # Redis gone: the leases lapse on their own
+            log.warning("could not release partition leases (%s)", exc)
 
     async def run(self) -> None:
         backoff = 0.2
@@ -236,6 +203,7 @@ class Ingestor:
             try:
                 await self._ensure_groups()
                 await self._drain_own_pending()
+                await self._own()
                 self.metrics.redis_up.set(1)
                 self.last_ok = time.monotonic()
                 self.ready.set()
@@ -256,21 +224,46 @@ class Ingestor:
                 await asyncio.sleep(backoff)
                 backoff = min(5.0, backoff * 2)
 
+    async def _own(self) -> None:
+        """Renew the partitions; restore and claim the ones just acquired."""
+        change = await self.ownership.tick()
+        for p in sorted(change.acquired):
+            restored = await self.ownership.restore(p)
+            stream = self.keys.samples(p)
+            await self._create_group(stream, self.group, "0")
+            claimed = await self._claim(stream, 0)  # the lease says their reader has stopped
+            log.info(
+                "partition %d is ours: %d domains restored, %d pending entries claimed",
+                p,
+                restored,
+                claimed,
+            )
+        self.metrics.partitions_owned.set(len(self.partitions))
+
     async def _step(self) -> None:
+        await self._own()
         now = time.monotonic()
         if now - self._last_claim >= max(1.0, self.claim_idle_ms / 1000):
             await self._claim_stale()
         if now - self._last_expire >= EXPIRE_EVERY_S:
             self._last_expire = now
+            before = set(self.live.domains)
             expired = self.live.expire(time.time(), self.live_after_s)
-            await self.commit(self.dispatch(Evaluated(alerts=expired)))
-        resp = await self.client.xreadgroup(
-            self.group,
-            self.consumer,
-            dict.fromkeys(self.sample_streams, ">"),
-            count=self.read_count,
-            block=self.block_ms,
-        )
+            batch = self.dispatch(Evaluated(alerts=expired))
+            batch.snapshots = self.ownership.dropped(before - set(self.live.domains))
+            await self.commit(batch)
+        streams = self.sample_streams
+        resp = None
+        if streams:
+            resp = await self.client.xreadgroup(
+                self.group,
+                self.consumer,
+                dict.fromkeys(streams, ">"),
+                count=self.read_count,
+                block=self.block_ms,
+            )
+        else:  # no partition is ours (more replicas than partitions): wait for one
+            await asyncio.sleep(self.block_ms / 1000)
         # Events after the samples read with them: an OOM should not overtake its samples.
         events = await self.client.xreadgroup(
             self.events_group, self.consumer, {self.keys.events: ">"}, count=self.read_count
@@ -280,6 +273,8 @@ class Ingestor:
             await self.process(_s(stream), entries)
 
     async def _ensure_groups(self) -> None:
+        """The groups of the streams read (again after a Redis restart lost them: BUSYGROUP
+        otherwise); a partition acquired later gets its group then."""
         await self._warn_unread_partitions()
         for stream in self.sample_streams:
             await self._create_group(stream, self.group, "0")
@@ -308,14 +303,11 @@ class Ingestor:
                     self.keys.partitions,
                 )
 
-    def _groups(self) -> list[tuple[str, str]]:
-        return [(s, self.group) for s in self.sample_streams] + [
-            (self.keys.events, self.events_group)
-        ]
-
     async def _drain_own_pending(self) -> None:
-        """Entries delivered to this consumer before a restart and never acknowledged."""
-        for stream, group in self._groups():
+        """Entries delivered to this consumer before a restart of the loop and never
+        acknowledged (a partition acquired later has its pending entries claimed then)."""
+        groups = [(s, self.group) for s in self.sample_streams]
+        for stream, group in [*groups, (self.keys.events, self.events_group)]:
             last = "0"
             while True:
                 resp = await self.client.xreadgroup(
@@ -329,24 +321,30 @@ class Ingestor:
                 last = _s(entries[-1][0])
 
     async def _claim_stale(self) -> None:
+        """Entries another consumer left pending for ``claim_idle_ms`` (it died)."""
         self._last_claim = time.monotonic()
         for stream in self.sample_streams:
-            start = "0-0"
-            while True:
-                nxt, entries, *_ = await self.client.xautoclaim(
-                    stream,
-                    self.group,
-                    self.consumer,
-                    self.claim_idle_ms,
-                    start_id=start,
-                    count=self.read_count,
-                )
-                if entries:
-                    self.metrics.claimed.inc(len(entries))
-                    await self.process(stream, entries)
-                start = _s(nxt)
-                if start == "0-0":
-                    break
+            await self._claim(stream, self.claim_idle_ms)
+
+    async def _claim(self, stream: str, min_idle_ms: int) -> int:
+        """Claim and process the entries of ``stream`` pending for ``min_idle_ms``."""
+        start, claimed = "0-0", 0
+        while True:
+            nxt, entries, *_ = await self.client.xautoclaim(
+                stream,
+                self.group,
+                self.consumer,
+                min_idle_ms,
+                start_id=start,
+                count=self.read_count,
+            )
+            if entries:
+                claimed += len(entries)
+                self.metrics.claimed.inc(len(entries))
+                await self.process(stream, entries)
+            start = _s(nxt)
+            if start == "0-0":
+                return claimed
 
     async def process(self, stream: str, entries: StreamEntries) -> None:
         """One batch of entries of one stream, down the pipeline (see the module's doc)."""
@@ -360,9 +358,28 @@ class Ingestor:
         else:
             group = self.group
             version = getattr(self.live.forecaster, "embedding_version", None)
-            decoded = decode_sample_entries(stream, entries, version)
+            decoded = decode_sample_entries(
+                stream,
+                entries,
+                version,
+                max_skew_s=self.max_skew_s,
+                key_for_node=self.key_for_node,
+            )
             evaluated = await self.forecast_and_evaluate(stream, decoded)
-        await self.commit(self.dispatch(evaluated))
+        if not self.ownership.owns_stream(stream):
+            # The lease lapsed while we forecast: act on nothing, acknowledge nothing; the new
+            # owner claims these entries and forecasts them from our last snapshots.
+            p = self.ownership.partition_of_stream(stream)
+            log.warning("lost partition %s mid-batch; its %d entries go on", p, len(entries))
+            self.ownership.forget([p] if p is not None else [])
+            return
+        batch = self.dispatch(evaluated)
+        batch.snapshots = self.ownership.snapshots_for(
+            evaluated.touched, [(a.node, a.device) for a in evaluated.alerts]
+        )
+        await self.commit(batch)
+        for dl in evaluated.deadletters:  # counted once on record, by why
+            self.metrics.rejected.labels(reason=_s(dl.get("code", "undecodable"))).inc()
         await self.acknowledge(stream, group, [entry_id for entry_id, _ in entries])
 
     def evaluate_events(self, decoded: Decoded) -> Evaluated:
@@ -372,6 +389,8 @@ class Ingestor:
         for event, fields in decoded.events:
             self.metrics.events.labels(event=event.event).inc()
             out.alerts.extend(self.live.on_event(event, now))
+            if event.event == "oom":  # the domain's forecaster restarted: snapshot it now
+                out.touched.append(event.domain)
             if event.event in AUDITED_EVENTS:
                 out.audit_events.append(_audit_record(event.event, fields))
         return out
@@ -382,15 +401,24 @@ class Ingestor:
         samples, embs = decoded.samples, decoded.embeddings
         for start in range(0, len(samples), APPLY_CHUNK):
             chunk = slice(start, start + APPLY_CHUNK)
-            applied = self.live.apply(samples[chunk], time.time(), embs[chunk])
+            applied = self.live.apply(
+                samples[chunk], time.time(), embs[chunk], decoded.attested[chunk]
+            )
             self.metrics.samples.inc(len(applied.forecasts))
             self.metrics.duplicates.inc(applied.duplicates)
             self.metrics.late.inc(applied.late)
-            for sample, problem in applied.rejected:
+            self.metrics.clock_resets.inc(applied.clock_resets)
+            for sample, problem, code in applied.rejected:
                 out.deadletters.append(
-                    {"stream": stream, "reason": str(problem), "sample": _dumps(sample.to_dict())}
+                    {
+                        "stream": stream,
+                        "reason": str(problem),
+                        "code": code,
+                        "sample": _dumps(sample.to_dict()),
+                    }
                 )
             out.alerts.extend(applied.alerts)
+            out.touched.extend(st.domain for st, _ in applied.forecasts)
             if start + APPLY_CHUNK < len(samples):
                 await asyncio.sleep(0)  # let HTTP requests in between big chunks
         done_ms = time.time() * 1000
@@ -407,19 +435,31 @@ class Ingestor:
             done = self.dispatcher.dispatch(alert, now)
             out.records.append(done.record)
             out.commands.extend(done.commands)
+            out.deliveries.extend(done.deliveries)
         return out
 
     async def commit(self, batch: Commit) -> None:
-        """Step 4: audit records and dead letters, then node commands, each in one round trip.
-        What cannot be written now (Redis failed: this raises) is kept for the next batch;
-        dead letters are not: their entries stay unacknowledged and are read again."""
+        """Step 4: audit records, the deliveries they owe (into the outbox) and dead letters,
+        then node commands, each in one round trip. What cannot be written now (Redis failed:
+        this raises) is kept for the next batch, deliveries included (owing one twice owes
+        it once); dead letters are not: their entries stay unacknowledged and are read
+        again."""
         self._unwritten.records.extend(batch.records)
+        self._unwritten.deliveries.extend(batch.deliveries)
         self._unwritten.commands.extend(batch.commands)
+        self._unwritten.snapshots.merge(batch.snapshots)
+        snaps = self._unwritten.snapshots
         records, commands = self._unwritten.records, self._unwritten.commands
-        if records or batch.deadletters:
+        deliveries = self._unwritten.deliveries
+        outbox = self.dispatcher.outbox
+        if records or deliveries or batch.deadletters or snaps:
             # Records first, in their own round trip: a pipeline runs every command even when
             # one fails, and neither the commands nor the ack may go unless the records did.
+            # Deliveries in the same round trip: owed before the first try, and never on
+            # record without being owed.
             pipe = self.client.pipeline(transaction=False)
+            if deliveries and outbox is not None:
+                outbox.stage(pipe, deliveries, time.time())
             for record in records:
                 pipe.xadd(
                     self.keys.alerts,
@@ -434,8 +474,14 @@ class Ingestor:
                     maxlen=self.deadletter_maxlen,
                     approximate=True,
                 )
+            # Snapshots too: a successor must find an episode fired here already firing.
+            self.ownership.stage(pipe, snaps)
             await pipe.execute()
             records.clear()
+            self._unwritten.snapshots = Snapshots()
+            if deliveries and outbox is not None:
+                outbox.wake()  # this replica's worker need not wait for its next poll
+            deliveries.clear()
             self.metrics.deadletters.inc(len(batch.deadletters))
         if commands:
             # Node commands only once their alerts are on record; a command whose write
@@ -452,25 +498,3 @@ class Ingestor:
         """Step 5: the entries are done with, their effects recorded."""
         if ids:
             await self.client.xack(stream, group, *ids)
-
-
-def _audit_record(name: str, fields: Fields) -> dict[str, Any]:
-    """The event as its sender wrote it (with the keys readers do not model), marked so."""
-    raw = fields.get(b"event", fields.get("event"))
-    try:
-        obj = json.loads(raw) if raw is not None else {}
-    except ValueError:
-        obj = {}
-    if not isinstance(obj, dict):
-        obj = {}
-    obj.setdefault("event", name)
-    obj["record"] = "event"
-    if "id" in obj:  # the command's id; "id" in /v1/alerts is the audit entry's own
-        obj["command_id"] = obj.pop("id")
-    return obj
-
-
-def _reason(exc: Exception) -> str:
-    if isinstance(exc, SchemaError):
-        return str(exc)
-    return f"undecodable entry ({type(exc).__name__}: {exc})"[:500]

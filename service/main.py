@@ -14,20 +14,61 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from oomcast.model.control import node_keys
 from oomcast.model.wire import Keys
 from oomcast.service import forecaster
 from oomcast.service.actions import Dispatcher
-from oomcast.service.alertmanager import AlertmanagerSender
+from oomcast.service.alertmanager import AlertmanagerTarget
 from oomcast.service.api.routes import alerts, devices, health, predict, rules, samples
-from oomcast.service.context import ServiceContext
+from oomcast.service.context import Deliveries, ServiceContext
+from oomcast.service.delivery import DeliveryWorker, Target
+from oomcast.service.edge import EdgeMiddleware
 from oomcast.service.ingest import Ingestor
+from oomcast.service.leases import partition_owner
 from oomcast.service.metrics import Metrics
+from oomcast.service.outbox import Outbox
 from oomcast.service.rulefile import load_rules
 from oomcast.service.settings import Settings
+from oomcast.service.snapshot import SnapshotStore
 from oomcast.service.state import LiveState
-from oomcast.service.webhook import WebhookSender
+from oomcast.service.webhook import WebhookTarget
 
 log = logging.getLogger("oomcast.service")
+
+
+def build_deliveries(
+    settings: Settings, keys: Keys, client: aioredis.Redis, metrics: Metrics
+) -> Deliveries:
+    """The outbox, the configured targets, and the worker that delivers what is owed."""
+    outbox = Outbox(client, keys, degraded_after_s=settings.delivery_degraded_after_s)
+    webhook = None
+    if settings.webhook_url and settings.webhook_secret:
+        webhook = WebhookTarget(settings.webhook_url, settings.webhook_secret.get_secret_value())
+    alertmanager = None
+    if settings.alertmanager_url:
+        alertmanager = AlertmanagerTarget(
+            settings.alertmanager_url, outbox, resend_s=settings.alertmanager_resend_s
+        )
+    targets: dict[str, Target] = {t.name: t for t in (webhook, alertmanager) if t is not None}
+    worker = None
+    if targets:
+        worker = DeliveryWorker(
+            outbox,
+            targets,
+            audit_stream=keys.alerts,
+            audit_maxlen=settings.alerts_maxlen,
+            timeout_s=settings.delivery_timeout_s,
+            backoff_s=settings.delivery_backoff_s,
+            backoff_max_s=settings.delivery_backoff_max_s,
+            max_age_s=settings.delivery_max_age_s,
+            claim_s=settings.delivery_claim_s,
+            poll_s=settings.delivery_poll_s,
+            concurrency=settings.delivery_concurrency,
+            on_outcome=lambda t, r: metrics.deliveries.labels(target=t, result=r).inc(),
+            on_health=metrics.delivery_health,
+            worker=settings.consumer_name,
+        )
+    return Deliveries(outbox, worker, webhook, alertmanager)
 
 
 def build_context(settings: Settings) -> ServiceContext:
@@ -42,36 +83,24 @@ def build_context(settings: Settings) -> ServiceContext:
     rules = load_rules(settings.rules_path(), policy)
     log.info("rules from %s: %s", settings.rules_path(), "; ".join(r.describe() for r in rules))
     live = LiveState(
-        detector.forecaster, rules, horizon_s=policy.horizon_s, history_len=settings.history_len
+        detector.forecaster,
+        rules,
+        horizon_s=policy.horizon_s,
+        history_len=settings.history_len,
+        resync_after=settings.resync_after,
+        attest_window_s=settings.attest_window_s,
     )
     client = aioredis.from_url(
         settings.redis_url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=30
     )
-    webhooks = None
-    if settings.webhook_url and settings.webhook_secret:
-        webhooks = WebhookSender(
-            settings.webhook_url,
-            settings.webhook_secret.get_secret_value(),
-            timeout_s=settings.webhook_timeout_s,
-            max_attempts=settings.webhook_max_attempts,
-            backoff_s=settings.webhook_backoff_s,
-            backoff_max_s=settings.webhook_backoff_max_s,
-            queue_size=settings.webhook_queue,
-            on_result=lambda result: metrics.webhooks.labels(result=result).inc(),
-        )
-    alertmanager = None
-    if settings.alertmanager_url:
-        alertmanager = AlertmanagerSender(
-            settings.alertmanager_url,
-            resend_s=settings.alertmanager_resend_s,
-            on_result=lambda result: metrics.alertmanager.labels(result=result).inc(),
-        )
+    deliveries = build_deliveries(settings, keys, client, metrics)
     secret = settings.control_secret.get_secret_value() if settings.control_secret else None
     dispatcher = Dispatcher(
         keys,
         rules,
-        webhook=webhooks,
-        alertmanager=alertmanager,
+        webhook=deliveries.webhook,
+        alertmanager=deliveries.alertmanager,
+        outbox=deliveries.outbox if deliveries.worker else None,
         control_secret=secret,
         command_ttl_s=settings.control_ttl_s,
         on_command=lambda action, mode: metrics.commands.labels(action=action, mode=mode).inc(),
@@ -88,8 +117,18 @@ def build_context(settings: Settings) -> ServiceContext:
         read_count=settings.read_count,
         claim_idle_ms=settings.claim_idle_ms,
         alerts_maxlen=settings.alerts_maxlen,
+        max_skew_s=settings.max_ts_skew_s,
+        # samples signed with their node's key (derived from the control secret) are attested
+        key_for_node=node_keys(secret) if secret else None,
+        # partition leases unless OOMCAST_PARTITIONS_OWNED fixes them; state hand-over
+        owner=partition_owner(settings, client),
+        snapshots=SnapshotStore(client, keys.prefix),
+        snapshot_every_s=settings.snapshot_every_s,
+        snapshot_history=settings.snapshot_history,
         dispatcher=dispatcher,
     )
+    if deliveries.alertmanager is not None:
+        ingestor.ownership.keep_alive_in(deliveries.alertmanager)
     return ServiceContext(
         settings,
         keys,
@@ -98,11 +137,10 @@ def build_context(settings: Settings) -> ServiceContext:
         live,
         metrics,
         ingestor,
-        webhooks,
+        deliveries,
         forecaster_kind=choice.kind,
         forecaster_reason=choice.reason,
         provider=choice.provider,
-        alertmanager=alertmanager,
         rules=rules,
         dispatcher=dispatcher,
     )
@@ -115,19 +153,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ctx = build_context(settings)
         app.state.ctx = ctx
-        if ctx.webhooks:
-            await ctx.webhooks.start()
-        if ctx.alertmanager:
-            await ctx.alertmanager.start()
+        await ctx.deliveries.start()
         ctx.tasks.append(asyncio.create_task(ctx.ingestor.run(), name="ingest"))  # tasks[0]
         try:
             yield
         finally:
             await ctx.ingestor.stop(ctx.tasks[0])
-            if ctx.webhooks:
-                await ctx.webhooks.stop()
-            if ctx.alertmanager:
-                await ctx.alertmanager.stop()
+            await ctx.deliveries.stop()  # what is still owed stays owed, in Redis
             await ctx.redis.aclose()
 
     app = FastAPI(
@@ -140,10 +172,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors: list[dict[str, Any]] = [
-            {"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")}
+            {"loc": list(e.get("loc", ())), "msg": str(e.get("msg")), "type": str(e.get("type"))}
             for e in exc.errors()
         ]
         return JSONResponse(status_code=422, content={"detail": errors})
+
+    # Outside routing: the token and the body limit are enforced before a body is read.
+    token = settings.api_token.get_secret_value() if settings.api_token else None
+    app.add_middleware(EdgeMiddleware, max_body_bytes=settings.max_body_bytes, api_token=token)
 
     for module in (predict, samples, devices, alerts, rules):
         app.include_router(module.router, prefix="/v1")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from oomcast.service.outbox import Health
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -16,6 +18,20 @@ class Metrics:
         self.deadletters = Counter(
             "oomcast_deadletters_total",
             "Entries or samples moved to the dead-letter stream",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "oomcast_samples_rejected_total",
+            "Samples (or whole entries) refused and dead-lettered, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.partitions_owned = Gauge(
+            "oomcast_partitions_owned", "Sample-stream partitions this replica reads", registry=r
+        )
+        self.clock_resets = Counter(
+            "oomcast_domain_clock_resets_total",
+            "Domains that started a new history after samples kept arriving behind the newest",
             registry=r,
         )
         self.duplicates = Counter(
@@ -33,13 +49,42 @@ class Metrics:
         )
         self.events = Counter("oomcast_events_total", "Events read", ["event"], registry=r)
         self.alerts = Counter("oomcast_alerts_total", "Alerts raised", ["status"], registry=r)
-        self.webhooks = Counter(
-            "oomcast_webhook_deliveries_total", "Webhook delivery outcomes", ["result"], registry=r
+        # Deliveries to receivers (service/delivery.py). result: delivered, retry (an attempt
+        # failed and will be retried), refused, expired; for Alertmanager re-sends, resent
+        # and resend_expired.
+        self.deliveries = Counter(
+            "oomcast_deliveries_total",
+            "Webhook and Alertmanager delivery outcomes",
+            ["target", "result"],
+            registry=r,
         )
-        self.alertmanager = Counter(
-            "oomcast_alertmanager_deliveries_total",
-            "Alertmanager delivery outcomes",
-            ["result"],
+        self.deliveries_owed = Gauge(
+            "oomcast_deliveries_owed",
+            "Deliveries in the outbox, not yet delivered or given up",
+            ["target"],
+            registry=r,
+        )
+        self.deliveries_oldest = Gauge(
+            "oomcast_deliveries_oldest_owed_seconds",
+            "Age of the oldest delivery still owed (0 when none is)",
+            ["target"],
+            registry=r,
+        )
+        self.deliveries_overdue = Gauge(
+            "oomcast_deliveries_overdue",
+            "Deliveries owed for longer than OOMCAST_DELIVERY_DEGRADED_AFTER_S",
+            ["target"],
+            registry=r,
+        )
+        self.deliveries_failing = Gauge(
+            "oomcast_deliveries_failing",
+            "Owed deliveries whose last attempt failed",
+            ["target"],
+            registry=r,
+        )
+        self.deliveries_degraded = Gauge(
+            "oomcast_deliveries_degraded",
+            "1 while some delivery has been owed longer than OOMCAST_DELIVERY_DEGRADED_AFTER_S",
             registry=r,
         )
         self.commands = Counter(
@@ -61,3 +106,12 @@ class Metrics:
             registry=r,
         )
         self.model = Info("oomcast_model", "The forecaster in use", registry=r)
+
+    def delivery_health(self, health: Health) -> None:
+        """The delivery gauges, from the outbox's health."""
+        for target, th in health.targets.items():
+            self.deliveries_owed.labels(target=target).set(th.owed)
+            self.deliveries_oldest.labels(target=target).set(th.oldest_owed_s or 0.0)
+            self.deliveries_failing.labels(target=target).set(th.failing)
+            self.deliveries_overdue.labels(target=target).set(th.overdue)
+        self.deliveries_degraded.set(1 if health.degraded else 0)

@@ -22,7 +22,7 @@ argument of every function that needs the time.
 from __future__ import annotations
 
 import fnmatch
-import uuid
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -176,6 +176,10 @@ class Alert:
     reason: str
     suppressed: bool = False  # the episode began inside the cooldown: no actions
     repeat: bool = False  # node actions again, while the episode goes on
+    # Why the evidence behind this alert is not attested (its domain's samples were not
+    # all signed by its own node); None when it is. No destructive action (shed) may rest
+    # on unattested evidence; notifications and checkpoints may.
+    unattested: str | None = None
 
     def to_payload(self) -> dict[str, Any]:
         """The alert as the service emits it (webhook body and audit record)."""
@@ -208,6 +212,7 @@ class Alert:
         }
         if self.repeat:
             out["repeat"] = True
+        out["attested"] = self.unattested is None
         return out
 
 
@@ -231,6 +236,51 @@ class Episode:
         self.suppressed = False
         if forget_cooldown:  # a new job: the last one's alerts say nothing about it
             self.last_fired_at = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able, for the snapshot a replica taking the domain over restores: an episode
+        that fired here must not fire again there."""
+        return {
+            "firing": self.firing,
+            "above": self.above,
+            "below": self.below,
+            "episode": self.episode,
+            "fired_at": self.fired_at,
+            "last_fired_at": self.last_fired_at,
+            "last_acted_at": self.last_acted_at,
+            "suppressed": self.suppressed,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Episode:
+        """The inverse of ``to_dict``; ValueError, naming the key, on anything malformed."""
+        if not isinstance(data, Mapping):
+            raise ValueError("episode must be an object")
+        flags = {k: data.get(k, False) for k in ("firing", "suppressed")}
+        counts = {k: data.get(k, 0) for k in ("above", "below")}
+        times = {k: data.get(k) for k in ("fired_at", "last_fired_at", "last_acted_at")}
+        episode = data.get("episode")
+        for k, v in flags.items():
+            if not isinstance(v, bool):
+                raise ValueError(f"episode {k}: must be true or false, got {v!r}")
+        for k, v in counts.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"episode {k}: must be a count, got {v!r}")
+        for k, v in times.items():
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+                raise ValueError(f"episode {k}: must be unix seconds or null, got {v!r}")
+        if episode is not None and not isinstance(episode, str):
+            raise ValueError(f"episode episode: must be an id or null, got {episode!r}")
+        return cls(
+            firing=flags["firing"],
+            above=counts["above"],
+            below=counts["below"],
+            episode=episode,
+            fired_at=None if times["fired_at"] is None else float(times["fired_at"]),
+            last_fired_at=None if times["last_fired_at"] is None else float(times["last_fired_at"]),
+            last_acted_at=None if times["last_acted_at"] is None else float(times["last_acted_at"]),
+            suppressed=flags["suppressed"],
+        )
 
 
 def _alert(
@@ -302,6 +352,15 @@ def evaluate(
     return None
 
 
+def episode_id(rule: Rule, sample: Sample) -> str:
+    """An episode's id, from what started it: the rule, the domain and the ts of the sample
+    that fired it. A batch forecast again after a crash (read again before it was
+    acknowledged, or by the replica that took the partition over) starts the same episode
+    under the same id, so its deliveries, keyed by it, are owed once, not twice."""
+    key = f"{rule.name}\0{sample.node}\0{sample.device}\0{sample.ts!r}".encode()
+    return hashlib.sha256(key).hexdigest()[:16]
+
+
 def _maybe_fire(
     ep: Episode, rule: Rule, sample: Sample, fc: Forecast, job: str | None, now: float
 ) -> Alert | None:
@@ -309,7 +368,7 @@ def _maybe_fire(
     if ep.above < rule.fire_after:
         return None
     ep.firing, ep.below = True, 0
-    ep.episode, ep.fired_at = uuid.uuid4().hex[:16], now
+    ep.episode, ep.fired_at = episode_id(rule, sample), now
     last = ep.last_fired_at
     ep.suppressed = last is not None and now - last < rule.cooldown_s
     if not ep.suppressed:
@@ -319,6 +378,14 @@ def _maybe_fire(
     if ep.suppressed:
         why += f"; within the {rule.cooldown_s:g}s cooldown of the last firing: no actions"
     return _alert("firing", rule, ep, sample, fc, job=job, reason=why, now=now)
+
+
+def still_firing(
+    ep: Episode, rule: Rule, sample: Sample, fc: Forecast, job: str | None, now: float
+) -> Alert:
+    """A firing episode as an alert again (not a new decision: nothing is sent for it), for
+    the receivers that must hear it while it goes on, after another replica fired it."""
+    return _alert("firing", rule, ep, sample, fc, job=job, reason="taken over", now=now)
 
 
 def end_episode(

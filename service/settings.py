@@ -52,9 +52,19 @@ class Settings(BaseSettings):
     redis_url: str = DEFAULT_REDIS_URL
     key_prefix: str = DEFAULT_KEY_PREFIX
     partitions: int = Field(default=DEFAULT_PARTITIONS, ge=1, le=1024)
-    # Which partitions this replica reads, e.g. "0-1" or "0,2"; empty means all. Replicas
-    # that split the work own disjoint sets covering 0..partitions-1.
+    # Which partitions this replica reads, e.g. "0-1" or "0,2", fixed (a StatefulSet that
+    # pins them: no leases). Empty: replicas share the partitions by leases in Redis
+    # (service/leases.py), a fair share each, taken over when a replica dies.
     partitions_owned: str = ""
+    # A lease lives this long unrenewed (renewed every third of it): a dead replica's
+    # partitions are taken over within lease_ttl_s plus one renewal (~13 s by default).
+    lease_ttl_s: float = Field(default=10.0, ge=1.0, le=300.0)
+    # A domain's state is snapshotted to Redis with every batch that alerts on it, and at
+    # least this often otherwise: how far a new owner's forecaster state may lag.
+    snapshot_every_s: float = Field(default=5.0, gt=0, le=3600.0)
+    snapshot_history: int = Field(
+        default=32, ge=0, le=10_000, description="history points kept in a domain's snapshot"
+    )
     consumer_group: str = "oomcast-service"
     consumer_name: str = Field(default_factory=_default_consumer)
     claim_idle_ms: int = Field(
@@ -79,11 +89,22 @@ class Settings(BaseSettings):
 
     webhook_url: str | None = None
     webhook_secret: SecretStr | None = None
-    webhook_timeout_s: float = Field(default=5.0, gt=0)
-    webhook_max_attempts: int = Field(default=6, ge=1)
-    webhook_backoff_s: float = Field(default=0.5, gt=0)
-    webhook_backoff_max_s: float = Field(default=30.0, gt=0)
-    webhook_queue: int = Field(default=1000, ge=1)
+    # Webhook and Alertmanager deliveries (the durable outbox, service/outbox.py): retried
+    # with capped exponential backoff, across restarts, until delivery_max_age_s.
+    delivery_timeout_s: float = Field(default=5.0, gt=0, description="one attempt's timeout")
+    delivery_backoff_s: float = Field(default=0.5, gt=0, description="first retry's delay")
+    delivery_backoff_max_s: float = Field(default=30.0, gt=0)
+    delivery_max_age_s: float = Field(
+        default=86_400.0, gt=0, description="a delivery still failing this long is given up"
+    )
+    delivery_degraded_after_s: float = Field(
+        default=60.0, gt=0, description="/readyz says degraded once one is owed this long"
+    )
+    delivery_claim_s: float = Field(
+        default=30.0, gt=0, description="a worker that died holding a delivery frees it then"
+    )
+    delivery_poll_s: float = Field(default=0.5, gt=0, description="how often retries are due")
+    delivery_concurrency: int = Field(default=32, ge=1, description="attempts in flight at once")
 
     alertmanager_url: str | None = None  # e.g. http://alertmanager:9093
     alertmanager_resend_s: float = Field(default=60.0, gt=0)
@@ -94,6 +115,9 @@ class Settings(BaseSettings):
     control_ttl_s: float = Field(default=30.0, gt=0, le=600)
 
     api_token: SecretStr | None = None
+    # The largest request body the service reads (8 MiB: about 40,000 samples); a longer
+    # one is refused with 413 before or while it arrives, never buffered whole.
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
     history_len: int = Field(
         default=600, ge=10, description="samples kept per domain for /v1/devices"
     )
@@ -101,6 +125,18 @@ class Settings(BaseSettings):
         default=600.0, gt=0, description="a domain silent this long is dropped"
     )
     max_predict_samples: int = Field(default=10_000, ge=1)
+    # A sample whose ts is further than this from when it reached Redis (the entry id's
+    # time) is dead-lettered (reason ts_skew): one sample stamped 1e300 must not make every
+    # later sample of its domain look out of order. 0 turns the check off (replaying old
+    # traces through `oomcast collect --source replay --keep-ts`).
+    max_ts_skew_s: float = Field(default=300.0, ge=0)
+    # A node's samples that arrive behind its domain's newest one this many times in a row,
+    # in time order among themselves, mean the clock moved back (or the newest was bogus):
+    # the domain starts a new history instead of staying blind.
+    resync_after: int = Field(default=3, ge=1)
+    # Node actions (checkpoint, shed) need every sample of the domain for this long to be
+    # attested (signed with the domain's own node key); samples over HTTP never are.
+    attest_window_s: float = Field(default=600.0, ge=0)
 
     @field_validator("redis_url")
     @classmethod
@@ -134,6 +170,10 @@ class Settings(BaseSettings):
 
         return self.rules or str(DEFAULT_RULES)
 
+    def uses_leases(self) -> bool:
+        """Whether partitions are leased (no OOMCAST_PARTITIONS_OWNED) rather than fixed."""
+        return not self.partitions_owned.strip()
+
     def owned_partitions(self) -> list[int]:
         if not self.partitions_owned.strip():
             return list(range(self.partitions))
@@ -148,6 +188,17 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
+        if self.delivery_claim_s <= self.delivery_timeout_s:
+            raise ValueError(
+                f"OOMCAST_DELIVERY_CLAIM_S ({self.delivery_claim_s}) must exceed"
+                f" OOMCAST_DELIVERY_TIMEOUT_S ({self.delivery_timeout_s}), or a slow receiver"
+                " could get one delivery from two replicas at once"
+            )
+        if self.delivery_backoff_max_s < self.delivery_backoff_s:
+            raise ValueError(
+                f"OOMCAST_DELIVERY_BACKOFF_MAX_S ({self.delivery_backoff_max_s}) must be at least"
+                f" OOMCAST_DELIVERY_BACKOFF_S ({self.delivery_backoff_s})"
+            )
         if self.webhook_url and not self.webhook_secret:
             raise ValueError(
                 "OOMCAST_WEBHOOK_URL is set but OOMCAST_WEBHOOK_SECRET is not: receivers could"
@@ -176,7 +227,14 @@ class CommandEnv(BaseSettings):
     redis_url: str | None = None  # None: not configured (the demo then looks for one)
     stream_maxlen: int = Field(default=100_000, ge=1)
     agent_metrics_port: int | None = Field(default=None, ge=0, le=65535)
-    control_secret: SecretStr | None = None  # verifies the service's commands on the agent
+    # The master key (the service's; `oomcast control-key` derives node keys from it). An
+    # agent given it instead of its node key derives its own key, with a warning.
+    control_secret: SecretStr | None = None
+    # This node's own key: verifies the service's commands and signs (attests) its samples.
+    node_key: SecretStr | None = None
+    # How far (percentage points of capacity) the agent's own reading of a domain may fall
+    # short of the used fraction a live command claims before it refuses it as unconfirmed.
+    confirm_tolerance_pp: float = Field(default=5.0, ge=0, le=100)
     cgroup_root: str | None = None
     proc_root: str = "/proc"
     node: str | None = None

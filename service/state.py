@@ -11,13 +11,13 @@ it and handles Redis and deliveries itself.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
 
 from oomcast.model.forecast import Forecast, Forecaster, release_state
 from oomcast.model.schema import Domain, Event, Sample, SchemaError
-from oomcast.service.rules import Alert, Episode, Rule, end_episode, evaluate
+from oomcast.service.rules import Alert, Episode, Rule, end_episode, evaluate, still_firing
 
 
 @dataclass(slots=True)
@@ -42,6 +42,14 @@ class DomainState:
     last_seen_wall: float = 0.0
     job: str | None = None
     episodes: dict[str, Episode] = field(default_factory=dict)  # per rule name
+    # Evidence for node actions: when a sample signed by the domain's own node, and when one
+    # that was not (over HTTP, unsigned, another node's), was last applied (wall time).
+    attested_at: float | None = None
+    unattested_at: float | None = None
+    # Samples refused in a row for being behind the newest one (and the last such ts): a
+    # run of them, in order among themselves, means the newest was bogus or the clock moved.
+    behind: int = 0
+    behind_ts: float = 0.0
 
     def summary(self, horizon_s: int) -> dict[str, Any]:
         s, f = self.last, self.forecast
@@ -89,15 +97,24 @@ def _seen_before(st: DomainState, sample: Sample) -> bool:
     return False
 
 
+class Rejected(NamedTuple):
+    """A sample refused by the live state; ``code`` is one of ingest's REJECT_CODES."""
+
+    sample: Sample
+    problem: SchemaError
+    code: str
+
+
 @dataclass(slots=True)
 class Applied:
     """What one batch did: the forecasts made, the samples refused, and the alerts."""
 
     forecasts: list[tuple[DomainState, Forecast]] = field(default_factory=list)
-    rejected: list[tuple[Sample, SchemaError]] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
     duplicates: int = 0
     alerts: list[Alert] = field(default_factory=list)
     late: int = 0
+    clock_resets: int = 0
 
 
 Embedding = list[float] | None
@@ -114,11 +131,15 @@ class LiveState:
         *,
         horizon_s: int,
         history_len: int = 600,
+        resync_after: int = 3,
+        attest_window_s: float = 600.0,
     ) -> None:
         self.forecaster = forecaster
         self.rules = list(rules)
         self.horizon_s = horizon_s
         self.history_len = history_len
+        self.resync_after = resync_after
+        self.attest_window_s = attest_window_s
         self.domains: dict[Domain, DomainState] = {}
 
     def _end_episodes(
@@ -152,40 +173,52 @@ class LiveState:
         samples: list[Sample],
         now: float,
         embeddings: Sequence[Embedding] | None = None,
+        attested: Sequence[bool] | None = None,
     ) -> Applied:
         """Forecast a batch; samples of one domain are applied in order, one per round, so
         each round steps the forecaster once for all the domains in it (a batched call).
-        ``embeddings`` runs parallel to ``samples`` (the node's, where they match)."""
+        ``embeddings`` runs parallel to ``samples`` (the node's, where they match), and so
+        does ``attested`` (signed by the domain's own node; none are when not given)."""
         result = Applied()
-        rounds: list[list[tuple[Sample, Embedding]]] = []
+        rounds: list[list[tuple[Sample, Embedding, bool]]] = []
         depth: dict[Domain, int] = {}
         embs = embeddings if embeddings is not None else [None] * len(samples)
-        for sample, emb in zip(samples, embs, strict=True):
+        signed = attested if attested is not None else [False] * len(samples)
+        for sample, emb, ok in zip(samples, embs, signed, strict=True):
             k = depth.get(sample.domain, 0)
             depth[sample.domain] = k + 1
             if k == len(rounds):
                 rounds.append([])
-            rounds[k].append((sample, emb))
+            rounds[k].append((sample, emb, ok))
         for round_samples in rounds:
             self._apply_round(round_samples, now, result)
         return result
 
-    def _admit(self, sample: Sample, now: float, result: Applied) -> DomainState | None:
+    def _admit(
+        self, sample: Sample, attested: bool, now: float, result: Applied
+    ) -> DomainState | None:
         """The domain's state, ready for this sample; None when the sample is refused."""
         st = self._state(sample.domain)
+        if (
+            not attested
+            and st.attested_at is not None
+            and now - st.attested_at <= self.attest_window_s
+        ):
+            problem = SchemaError(
+                "",
+                f"{sample.node}/{sample.device}: node {sample.node} signs its samples, and this"
+                " one is not signed by it (forged, or sent over HTTP for a node's own domain)",
+            )
+            result.rejected.append(Rejected(sample, problem, "unattested"))
+            return None
         if st.last_oom_ts is not None and sample.ts <= st.last_oom_ts:
             result.late += 1  # from the job that already OOMed, read after its OOM event
             return None
-        if st.last is not None and sample.ts <= st.last.ts:
-            if _seen_before(st, sample):
-                result.duplicates += 1  # at-least-once delivery sends some entries twice
-            else:
-                problem = SchemaError(
-                    "ts",
-                    f"{sample.ts} is not after the previous sample of"
-                    f" {sample.node}/{sample.device} ({st.last.ts})",
-                )
-                result.rejected.append((sample, problem))
+        if (
+            st.last is not None
+            and sample.ts <= st.last.ts
+            and not self._resync(st, sample, now, result)
+        ):
             return None
         if sample.job is not None and st.job is not None and sample.job != st.job:
             # Another job on the same device: its history is not this one's. The node
@@ -195,24 +228,88 @@ class LiveState:
             reason = f"job {sample.job} replaced {st.job}"
             result.alerts.extend(self._end_episodes(st, reason, now=now, new_job=True, job=st.job))
         st.last = sample
+        st.behind = 0
+        if attested:
+            st.attested_at = now
+        else:
+            st.unattested_at = now
         return st
 
+    def _resync(self, st: DomainState, sample: Sample, now: float, result: Applied) -> bool:
+        """A sample not after the domain's newest: a redelivery (skipped), or out of order
+        (refused). True when it is the ``resync_after``-th in a row of samples in order among
+        themselves: then the newest was bogus (a forged or mis-stamped sample) or the node's
+        clock moved back, and the domain starts a new history from this sample rather than
+        stay blind until real time passes the bogus one."""
+        assert st.last is not None
+        if _seen_before(st, sample):
+            result.duplicates += 1  # at-least-once delivery sends some entries twice
+            return False
+        st.behind = st.behind + 1 if st.behind and sample.ts > st.behind_ts else 1
+        st.behind_ts = sample.ts
+        if st.behind >= self.resync_after:
+            result.clock_resets += 1
+            reason = (
+                f"{st.behind} samples in a row came before the newest one ({st.last.ts});"
+                " its timeline was wrong: a new history starts"
+            )
+            result.alerts.extend(self._end_episodes(st, reason, now=now, new_job=False, job=st.job))
+            self._restart_forecaster(st)
+            st.history.clear()
+            st.last = None
+            return True
+        problem = SchemaError(
+            "ts",
+            f"{sample.ts} is not after the previous sample of"
+            f" {sample.node}/{sample.device} ({st.last.ts})",
+        )
+        result.rejected.append(Rejected(sample, problem, "out_of_order"))
+        return False
+
+    def firing(self, domains: Sequence[Domain], now: float) -> list[Alert]:
+        """The episodes firing on ``domains`` (just restored from a snapshot, say), as alerts."""
+        out = []
+        for d in domains:
+            st = self.domains.get(d)
+            if st is None or st.last is None or st.forecast is None:
+                continue
+            for rule in self.rules:
+                ep = st.episodes.get(rule.name)
+                if ep is not None and ep.firing:
+                    out.append(still_firing(ep, rule, st.last, st.forecast, st.job, now))
+        return out
+
+    def why_unattested(self, st: DomainState, attested: bool, now: float) -> str | None:
+        """Why this domain's forecast is not attested evidence (None: it is): every sample
+        of the domain for ``attest_window_s`` must be signed by its own node."""
+        if not attested:
+            return (
+                "the forecast rests on a sample not signed by the domain's own node (sent"
+                " over HTTP, or unsigned): no destructive action"
+            )
+        if st.unattested_at is not None and now - st.unattested_at <= self.attest_window_s:
+            return (
+                f"the domain had unsigned samples {now - st.unattested_at:.0f}s ago (within"
+                f" {self.attest_window_s:g}s): no destructive action"
+            )
+        return None
+
     def _apply_round(
-        self, samples: list[tuple[Sample, Embedding]], now: float, result: Applied
+        self, samples: list[tuple[Sample, Embedding, bool]], now: float, result: Applied
     ) -> None:
-        batch: list[tuple[DomainState, Sample, Embedding]] = []
-        for sample, emb in samples:
-            st = self._admit(sample, now, result)
+        batch: list[tuple[DomainState, Sample, Embedding, bool]] = []
+        for sample, emb, attested in samples:
+            st = self._admit(sample, attested, now, result)
             if st is not None:
-                batch.append((st, sample, emb))
+                batch.append((st, sample, emb, attested))
         if not batch:
             return
         forecasts = self.forecaster.step(
-            [st.forecaster_state for st, _, _ in batch],
-            [s for _, s, _ in batch],
-            [e for _, _, e in batch],
+            [st.forecaster_state for st, _, _, _ in batch],
+            [s for _, s, _, _ in batch],
+            [e for _, _, e, _ in batch],
         )
-        for (st, sample, _), fc in zip(batch, forecasts, strict=True):
+        for (st, sample, _, attested), fc in zip(batch, forecasts, strict=True):
             self._record(st, sample, fc, now)
             for rule in self.rules:
                 ep = st.episodes.get(rule.name)
@@ -220,6 +317,9 @@ class LiveState:
                     ep = st.episodes[rule.name] = Episode()
                 alert = evaluate(ep, rule, sample, fc, st.job, now)
                 if alert is not None:
+                    refused = self.why_unattested(st, attested, now)
+                    if refused is not None:
+                        alert = replace(alert, unattested=refused)
                     result.alerts.append(alert)
             result.forecasts.append((st, fc))
 
@@ -286,3 +386,40 @@ class LiveState:
             )
 
         return sorted(self.live(now, live_after_s), key=key)
+
+    # -- hand-over between replicas (service/snapshot.py holds the format) ---------------
+    def snapshot(self, domain: Domain, *, history_points: int | None = None) -> bytes:
+        """The domain's whole state as a versioned blob, for the replica that may take it
+        over; KeyError when the domain is unknown."""
+        from oomcast.service import snapshot
+
+        points = snapshot.HISTORY_POINTS if history_points is None else history_points
+        return snapshot.encode(self.domains[domain], self.forecaster, history_points=points)
+
+    def restore(self, blob: bytes) -> DomainState | None:
+        """Install the domain state ``blob`` holds (replacing this replica's own copy of it,
+        which a replica that just acquired the partition must not trust); None, with a
+        warning, when the blob cannot be restored: the domain then starts cold."""
+        from oomcast.service import snapshot
+
+        st = snapshot.decode(
+            blob, self.forecaster, [r.name for r in self.rules], history_len=self.history_len
+        )
+        if st is None:
+            return None
+        old = self.domains.pop(st.domain, None)
+        if old is not None:
+            release_state(self.forecaster, old.forecaster_state)
+        self.domains[st.domain] = st
+        return st
+
+    def forget(self, domains: Iterable[Domain]) -> int:
+        """Drop domains without a word (no resolved alerts): their partition now belongs to
+        another replica, which carries their episodes on. Returns how many were dropped."""
+        n = 0
+        for domain in list(domains):
+            st = self.domains.pop(domain, None)
+            if st is not None:
+                release_state(self.forecaster, st.forecaster_state)
+                n += 1
+        return n

@@ -1,15 +1,21 @@
-"""Signed webhook delivery, off the ingest path (the queue, ordering and retries are
-``service/delivery.py``'s). The body is signed with HMAC-SHA256 in ``X-Oomcast-Signature``.
+"""Signed webhooks: what one delivery of an alert to ``OOMCAST_WEBHOOK_URL`` looks like.
+
+The outbox and the worker (``service/outbox.py``, ``service/delivery.py``) make delivery
+durable and at least once; this module builds each attempt. The body is the alert's record
+with ``delivery_id`` added, so the id a receiver de-duplicates on is covered by the
+HMAC-SHA256 signature in ``X-Oomcast-Signature`` (a replayed body cannot pass as a new
+delivery); the same id travels in ``X-Oomcast-Delivery``. Every attempt of one delivery
+sends the same bytes.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from oomcast.model.signing import sign, verify
-from oomcast.service.delivery import OrderedSender
+from oomcast.service.outbox import Delivery
 
 SIGNATURE_HEADER = "X-Oomcast-Signature"
 
@@ -22,45 +28,29 @@ def verify_signature(body: bytes, header: str | None, secret: str) -> bool:
     return verify(body, header, secret)
 
 
-class WebhookSender(OrderedSender):
-    what = "webhook"
+class WebhookTarget:
+    name = "webhook"
 
-    def __init__(
-        self,
-        url: str,
-        secret: str,
-        *,
-        timeout_s: float = 5.0,
-        max_attempts: int = 6,
-        backoff_s: float = 0.5,
-        backoff_max_s: float = 30.0,
-        queue_size: int = 1000,
-        on_result: Callable[[str], None] | None = None,
-    ) -> None:
-        super().__init__(
-            timeout_s=timeout_s,
-            max_attempts=max_attempts,
-            backoff_s=backoff_s,
-            backoff_max_s=backoff_max_s,
-            queue_size=queue_size,
-            on_result=on_result,
-        )
+    def __init__(self, url: str, secret: str) -> None:
         self.url = url
         self._secret = secret
 
-    def submit(self, payload: Mapping[str, Any]) -> bool:
-        """Queue one alert; never waits. Deliveries of one domain keep their order."""
-        return self._put((payload.get("node"), payload.get("device")), payload, _describe(payload))
+    def order_key(self, payload: Mapping[str, Any]) -> str:
+        """One domain's alerts go in order: a resolve never lands before its firing."""
+        return f"{payload.get('node')}/{payload.get('device')}"
 
-    async def _deliver(self, payload: Mapping[str, Any]) -> None:
-        body = json.dumps(payload, separators=(",", ":")).encode()
+    def owed(self, delivery: Delivery) -> None:
+        """Nothing to keep: a webhook is sent once per delivery."""
+
+    def body(self, delivery: Delivery) -> bytes:
+        payload = {**delivery.payload, "delivery_id": delivery.id}
+        return json.dumps(payload, separators=(",", ":")).encode()
+
+    def request(self, delivery: Delivery, now: float) -> tuple[str, bytes, dict[str, str]]:
+        body = self.body(delivery)
         headers = {
             "Content-Type": "application/json",
             SIGNATURE_HEADER: sign_body(body, self._secret),
             "User-Agent": "oomcast",
         }
-        await self._post(self.url, lambda: body, headers, _describe(payload))
-
-
-def _describe(payload: Mapping[str, Any]) -> str:
-    return f"{payload.get('status')} alert for {payload.get('node')}/{payload.get('device')}"
+        return self.url, body, headers

@@ -162,6 +162,20 @@ class NvmlSource:
         memory last); empty for a GPU that did not report then."""
         return list(self._tables.get(device, ()))
 
+    def measure(self, device: str) -> tuple[int, int] | None:
+        """(used, capacity) of ``device`` from a fresh NVML query, measured as its samples
+        are (capacity: what processes can get); None for a GPU this source does not know or
+        that does not answer now. Called from the control listener's thread."""
+        for gpu in list(self._gpus.values()):
+            handle = gpu.handle
+            if gpu.name != device or handle is None or gpu.lost_since is not None:
+                continue
+            mem = self.nvml.memory_info(handle)
+            if mem is None or mem.usable <= 0:
+                return None
+            return mem.used, mem.usable
+        return None
+
     def metric_samples(self) -> list[MetricSample]:
         """Figures for the agent's /metrics: NVML calls, time and errors; skipped and lost
         GPUs; processes per GPU."""

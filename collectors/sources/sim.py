@@ -163,6 +163,7 @@ class SimSource:
         self.gpus = gpus
         self.interval_s = interval_s
         self._next_ts: float | None = None
+        self._latest: dict[str, tuple[int, int]] = {}
 
     def poll(self, now: float) -> list[Record]:
         if self._next_ts is not None and now < self._next_ts:
@@ -171,7 +172,15 @@ class SimSource:
         out: list[Record] = []
         for gpu in self.gpus:
             out.extend(gpu.advance(now))
+        for r in out:
+            if isinstance(r, Sample):
+                self._latest[r.device] = (r.used_bytes, r.total_bytes)
         return out
+
+    def measure(self, device: str) -> tuple[int, int] | None:
+        """(used, capacity) of a simulated GPU at its latest step: the simulator is that
+        device, so this is what the agent reads of it before acting (``collectors/proof.py``)."""
+        return self._latest.get(device)
 
     @property
     def exhausted(self) -> bool:

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field, JsonValue
+from pydantic import BaseModel, Field, JsonValue, WithJsonSchema
 
-from oomcast.model.schema import OrderChecker, Sample, SchemaError, parse_sample
+from oomcast.model.schema import (
+    KINDS,
+    MAX_NAME_CHARS,
+    OPTIONAL_BYTE_FIELDS,
+    SANITY_FACTOR,
+    OrderChecker,
+    Sample,
+    SchemaError,
+    parse_sample,
+)
 from oomcast.service.api.deps import schema_error, unprocessable
 
 EXAMPLE_SAMPLE: dict[str, JsonValue] = {
@@ -24,14 +33,73 @@ EXAMPLE_SAMPLE: dict[str, JsonValue] = {
 }
 
 
+# No control characters (they would forge log lines), and not only whitespace.
+_NAME_PATTERN = r"^[^\u0000-\u001f\u007f]*[^\s\u0000-\u001f\u007f][^\u0000-\u001f\u007f]*$"
+_JOB_PATTERN = r"^[^\u0000-\u001f\u007f]*$"
+_NAME: dict[str, JsonValue] = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": MAX_NAME_CHARS,
+    "pattern": _NAME_PATTERN,
+}
+# Integers past 2**53 do not survive every JSON parser (I-JSON, RFC 7493: a JavaScript
+# client rounds them), so over HTTP a count stays at or below it: 8 PiB for a byte count.
+# The trace format itself allows up to 2**63 - 1 (MAX_COUNT).
+MAX_JSON_INT = 2**53
+COUNT_FIELDS = ("total_bytes", "used_bytes", *OPTIONAL_BYTE_FIELDS, "alloc_retries")
+_COUNT: dict[str, JsonValue] = {"type": "integer", "minimum": 0, "maximum": MAX_JSON_INT}
+_OPTIONAL_COUNT: dict[str, JsonValue] = {**_COUNT, "type": ["integer", "null"]}
+
+# The JSON Schema of one sample, written from model/schema.py's rules, so the OpenAPI
+# document promises what parse_sample accepts. Two rules are beyond JSON Schema and are
+# said in words: a byte count may be at most SANITY_FACTOR times total_bytes, and samples of
+# one domain must come in time order.
+SAMPLE_SCHEMA: dict[str, JsonValue] = {
+    "type": "object",
+    "description": "One sample of the trace format (docs/api.md). used_bytes, allocated_bytes,"
+    f" reserved_bytes and peak_bytes may be at most {SANITY_FACTOR:g} times total_bytes;"
+    " samples of one domain (node, device) must have increasing ts. Unknown keys are ignored.",
+    "required": ["ts", "node", "device", "kind", "total_bytes", "used_bytes"],
+    "properties": {
+        "ts": {"type": "number", "exclusiveMinimum": 0, "description": "unix seconds"},
+        "node": _NAME,
+        "device": _NAME,
+        "kind": {"type": "string", "enum": list(KINDS)},
+        "total_bytes": {**_COUNT, "minimum": 1},
+        "used_bytes": _COUNT,
+        **{key: _OPTIONAL_COUNT for key in (*OPTIONAL_BYTE_FIELDS, "alloc_retries")},
+        "job": {**_NAME, "type": ["string", "null"], "minLength": 0, "pattern": _JOB_PATTERN},
+    },
+    "additionalProperties": True,
+}
+
+
 class SamplesBody(BaseModel):
     # Samples are validated by oomcast's own schema (the one source of truth for traces,
-    # streams and HTTP), so a 422 names the same fields a trace reader would.
-    samples: list[dict[str, Any]] = Field(
-        ...,
-        description="Sample objects of the trace format, oldest first.",
-        json_schema_extra={"examples": [[EXAMPLE_SAMPLE]]},
-    )
+    # streams and HTTP), so a 422 names the same fields a trace reader would; the OpenAPI
+    # document shows that schema (SAMPLE_SCHEMA) rather than "any object".
+    samples: Annotated[
+        list[dict[str, Any]],
+        WithJsonSchema(
+            {
+                "type": "array",
+                "items": SAMPLE_SCHEMA,
+                "minItems": 1,
+                "description": "Sample objects of the trace format, oldest first; at most"
+                " OOMCAST_MAX_PREDICT_SAMPLES of them (10,000 unless configured).",
+                "examples": [[EXAMPLE_SAMPLE]],
+            }
+        ),
+    ] = Field(...)
+
+
+def _check_json_ints(sample: Sample) -> None:
+    for key in COUNT_FIELDS:
+        value = getattr(sample, key)
+        if value is not None and value > MAX_JSON_INT:
+            raise SchemaError(
+                key, f"{value} is past {MAX_JSON_INT} (2**53), which JSON cannot carry exactly"
+            )
 
 
 def parse_samples(objs: list[dict[str, Any]], *, limit: int, one_domain: bool) -> list[Sample]:
@@ -45,6 +113,7 @@ def parse_samples(objs: list[dict[str, Any]], *, limit: int, one_domain: bool) -
     for i, obj in enumerate(objs):
         try:
             sample = parse_sample(obj)
+            _check_json_ints(sample)
             order.accept(sample)
         except SchemaError as exc:
             raise schema_error(i, exc) from None

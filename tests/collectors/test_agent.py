@@ -5,15 +5,17 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 from support import leak_trace, sample, write
 
 from oomcast.collectors.agent import NodeAgent
 from oomcast.collectors.publisher import StreamPublisher
 from oomcast.collectors.sources.replay import ReplaySource
+from oomcast.model.control import node_key, node_keys
 from oomcast.model.embedding import EMBEDDING_VERSION, FEATURES, N_FEATURES
 from oomcast.model.schema import Event, Record
-from oomcast.model.wire import Keys, decode_event, decode_samples
+from oomcast.model.wire import Keys, decode_event, decode_samples, entry_attested
 
 
 class ListSource:
@@ -119,3 +121,42 @@ def test_embedding_history_restarts_with_a_new_job_or_after_an_oom(
     assert embs[2] is not None and embs[2][age] == 0.0  # after the OOM: a fresh history
     assert embs[2][peak] < 0.5  # the dead job's high-water mark is not carried over
     assert embs[3] is not None and embs[3][age] == 0.0  # job b
+
+
+def test_agent_attests_its_own_nodes_samples_only(
+    rclient: redis.Redis, key_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With its node key the agent signs every entry of its node; a trace replaying other
+    nodes goes out unsigned (it cannot vouch for them), with one warning per node."""
+    keys = Keys(key_prefix, 1)
+    ticks: list[list[Record]] = [
+        [sample(1.0, 0.5, node="a", device="gpu0"), sample(1.0, 0.7, node="b", device="gpu0")],
+        [sample(2.0, 0.5, node="a", device="gpu0"), sample(2.0, 0.7, node="b", device="gpu0")],
+    ]
+    agent = NodeAgent(
+        [ListSource(ticks)],
+        StreamPublisher(rclient),
+        keys,
+        node="a",
+        node_key=node_key("m", "a"),
+    )
+    agent.tick()
+    agent.tick()
+    entries = [f for _, f in rclient.xrange(keys.samples(0))]
+    attested = {(f[b"node"], entry_attested(f, node_keys("m"))) for f in entries}
+    assert attested == {(b"a", True), (b"b", False)}
+    assert sum("samples of node b are sent unsigned" in r.message for r in caplog.records) == 1
+    assert node_key("m", "a") not in repr(agent)
+
+
+def test_agent_without_a_key_sends_unsigned_entries(rclient: redis.Redis, key_prefix: str) -> None:
+    keys = Keys(key_prefix, 1)
+    agent = NodeAgent([ListSource([[sample(1.0, 0.5, node="a")]])], StreamPublisher(rclient), keys)
+    agent.tick()
+    ((_, fields),) = rclient.xrange(keys.samples(0))
+    assert b"sig" not in fields
+
+
+def test_agent_refuses_a_key_without_its_node(rclient: redis.Redis) -> None:
+    with pytest.raises(ValueError, match="node"):
+        NodeAgent([ListSource([])], StreamPublisher(rclient), Keys("x"), node_key="k")

@@ -25,6 +25,7 @@ from oomcast.collectors.control import (
     make_resolve,
 )
 from oomcast.collectors.metrics import render
+from oomcast.collectors.proof import Measurement
 from oomcast.model.control import Command, new_command, sign_command
 from oomcast.model.wire import Keys, decode_event
 
@@ -51,10 +52,16 @@ class Recorder:
         return ActionResult(self.outcome, f"recorded {command.action}", {"n": len(candidates)})
 
 
+GIB = 1 << 30
+# what the test commands claim of their domain, and what the harness's agent measures
+CLAIM = {"used_bytes": 76 * GIB, "total_bytes": 80 * GIB}
+
+
 class Harness:
     def __init__(self, client: redis.Redis, prefix: str, **kw: Any) -> None:
         self.client = client
         self.keys = Keys(prefix)
+        self.reading: Measurement | None = Measurement(CLAIM["used_bytes"], CLAIM["total_bytes"])
         self.executor = kw.pop("executor", None) or Recorder()
         executors = kw.pop("executors", None) or {
             "checkpoint": self.executor,
@@ -68,6 +75,7 @@ class Harness:
             executors,
             kw.pop("resolve", lambda cmd: [Candidate(4242, 1, "x", 0, 1)]),
             block_ms=100,
+            measure=kw.pop("measure", lambda cmd: self.reading),
             **kw,
         )
 
@@ -80,7 +88,7 @@ class Harness:
             "action": "checkpoint",
             "device": "gpu0",
             "job": "train-1",
-            "forecast": {"risk": {"60": 0.9}, "time_to_oom_s": 80.0},
+            "forecast": {"risk": {"60": 0.9}, "time_to_oom_s": 80.0, **CLAIM},
             "reason": "forecast",
         }
         args.update(kw)

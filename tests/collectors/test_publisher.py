@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import redis
+from support import wait_until
 
 from oomcast.collectors.publisher import Entry, StreamPublisher
 
@@ -76,3 +77,51 @@ def test_redis_refusing_writes_is_ridden_out(private_redis: Any) -> None:
     now[0] += 10.0
     assert pub.publish([entry(2)])
     assert [int(f[b"i"]) for _, f in client.xrange("s")] == [1, 2]
+
+
+def test_full_redis_takes_part_of_a_batch_and_each_sample_arrives_once(
+    private_redis: Any,
+) -> None:
+    """Redis at ``maxmemory`` (noeviction) takes the first entries of a pipelined batch and
+    refuses the rest; the agent must send again only what was refused: once Redis has room,
+    every entry is there exactly once, in order (the old publisher re-sent the whole batch)."""
+    client = redis.Redis.from_url(private_redis.url)
+    now = [0.0]
+    pub = StreamPublisher(client, clock=lambda: now[0])
+    client.config_set("maxmemory-policy", "noeviction")
+    used = int(client.info("memory")["used_memory"])
+    client.config_set("maxmemory", used + 200_000)  # room for some of the 800 KB below
+    batch = [Entry("s", {"i": str(i), "pad": "x" * 2000}, 1) for i in range(400)]
+    assert not pub.publish(batch)
+    taken = client.xlen("s")
+    assert 0 < taken < 400, taken  # a partial batch: some in, the rest refused
+    assert pub.stats.entries_sent == taken and pub.stats.samples_sent == taken
+    assert pub.stats.entries_refused == 400 - taken and pub.stats.partial_flushes == 1
+    assert pub.buffered_samples == 400 - taken
+    now[0] += 10.0
+    assert not pub.publish([Entry("s", {"i": "400", "pad": ""}, 1)])  # still full: nothing new
+    assert client.xlen("s") == taken
+    client.config_set("maxmemory", 0)  # room again
+    now[0] += 10.0
+    assert pub.publish([])
+    assert [int(f[b"i"]) for _, f in client.xrange("s")] == list(range(401))
+    assert pub.stats.samples_sent == 401 and pub.buffered_samples == 0
+
+
+def test_read_only_redis_is_ridden_out_without_duplicates(private_redis: Any) -> None:
+    """A replica after a failover answers READONLY to every write: nothing is lost or sent
+    twice once it takes writes again."""
+    client = redis.Redis.from_url(private_redis.url)
+    now = [0.0]
+    pub = StreamPublisher(client, clock=lambda: now[0])
+    assert pub.publish([entry(0)])
+    client.execute_command("REPLICAOF", "127.0.0.1", "1")  # a primary that is not there
+    try:
+        assert wait_until(lambda: client.info("replication")["role"] == "slave", 5)
+        assert not pub.publish([entry(1), entry(2)])
+        assert pub.stats.entries_refused == 2 and pub.buffered_samples == 2
+    finally:
+        client.execute_command("REPLICAOF", "NO", "ONE")
+    now[0] += 10.0
+    assert pub.publish([entry(3)])
+    assert [int(f[b"i"]) for _, f in client.xrange("s")] == [0, 1, 2, 3]

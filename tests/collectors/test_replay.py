@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -38,8 +39,8 @@ def ts_of(recs: list[Record]) -> list[float]:
     return [r.ts - T0 for r in recs]
 
 
-def test_records_keep_their_original_ts_and_spacing(trace_file: Path) -> None:
-    src = ReplaySource(trace_file)
+def test_with_keep_ts_records_keep_their_original_ts_and_spacing(trace_file: Path) -> None:
+    src = ReplaySource(trace_file, keep_ts=True)
     assert len(src) == 7
     assert src.name == "replay:run.jsonl.gz"
     assert not src.exhausted
@@ -61,8 +62,23 @@ def test_records_keep_their_original_ts_and_spacing(trace_file: Path) -> None:
     assert src.poll(WALL + 100) == []
 
 
-def test_late_poll_catches_up_in_order(trace_file: Path) -> None:
+def test_by_default_records_are_restamped_from_the_wall_clock_keeping_their_spacing(
+    trace_file: Path,
+) -> None:
+    """A live service refuses samples stamped far from their arrival, so a trace recorded
+    long ago is re-stamped: the first record at the wall time the replay started."""
     src = ReplaySource(trace_file)
+    out: list[Record] = []
+    now = WALL
+    while not src.exhausted:
+        out.extend(src.poll(now))
+        now += 0.125
+    assert [r.ts - WALL for r in out] == [r.ts - T0 for r in trace_records()]
+    assert [dataclasses.replace(r, ts=r.ts - WALL + T0) for r in out] == trace_records()
+
+
+def test_late_poll_catches_up_in_order(trace_file: Path) -> None:
+    src = ReplaySource(trace_file, keep_ts=True)
     src.poll(WALL)
     caught_up = src.poll(WALL + 2.0)
     assert ts_of(caught_up) == [0.5, 1.0, 2.0]
@@ -70,7 +86,7 @@ def test_late_poll_catches_up_in_order(trace_file: Path) -> None:
 
 
 def test_every_record_is_emitted_once(trace_file: Path) -> None:
-    src = ReplaySource(trace_file)
+    src = ReplaySource(trace_file, keep_ts=True)
     out: list[Record] = []
     now = WALL
     while not src.exhausted:
@@ -81,7 +97,7 @@ def test_every_record_is_emitted_once(trace_file: Path) -> None:
 
 
 def test_speed_makes_replay_faster(trace_file: Path) -> None:
-    src = ReplaySource(trace_file, speed=4.0)
+    src = ReplaySource(trace_file, speed=4.0, keep_ts=True)
     assert ts_of(src.poll(WALL)) == [0.0]
     assert src.poll(WALL + 0.0625) == []
     assert ts_of(src.poll(WALL + 0.125)) == [0.5]  # 0.5 s of trace in 0.125 s
@@ -93,7 +109,7 @@ def test_speed_makes_replay_faster(trace_file: Path) -> None:
 
 
 def test_slow_speed(trace_file: Path) -> None:
-    src = ReplaySource(trace_file, speed=0.5)
+    src = ReplaySource(trace_file, speed=0.5, keep_ts=True)
     src.poll(WALL)
     assert src.poll(WALL + 0.5) == []
     assert ts_of(src.poll(WALL + 1.0)) == [0.5]
@@ -101,7 +117,7 @@ def test_slow_speed(trace_file: Path) -> None:
 
 
 def test_clock_starts_at_the_first_poll(trace_file: Path) -> None:
-    src = ReplaySource(trace_file)
+    src = ReplaySource(trace_file, keep_ts=True)
     assert ts_of(src.poll(WALL + 60)) == [0.0]  # started late: nothing is skipped
     assert src.poll(WALL + 60.25) == []
     assert ts_of(src.poll(WALL + 60.75)) == [0.5]

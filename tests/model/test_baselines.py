@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -337,3 +338,39 @@ def test_predict_linear_still_projects_on_a_domain_alive_for_a_year() -> None:
     last = [fc.step([state], [s])[0] for s in leak][-1]
     # Use is 0.795 and rising 0.005/s: capacity in 41 s.
     assert last.time_to_oom_s == pytest.approx(41.0, abs=0.1)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ThresholdBaseline(0.9),
+        lambda: PredictLinearBaseline(60, 60),
+        lambda: PredictLinearBaseline(60, 60, gate_frac=0.6, full_window=True),
+        lambda: KubeletBaseline(100 * MIB, poll_s=10.0),
+    ],
+)
+def test_an_exported_state_continues_exactly(make: Callable[[], Any]) -> None:
+    """Exported mid-run (JSON and back), imported into another instance: the same forecasts
+    as the run that was never interrupted, across a rebase of the linear fit too."""
+    leak = [smp(t * 7.0, int((0.3 + 0.0001 * t) * TOTAL)) for t in range(700)]
+    ref, old, new = make(), make(), make()
+    ref_state, state = ref.init_state(), old.init_state()
+    expected = [ref.step([ref_state], [s])[0] for s in leak]
+    for s in leak[:400]:
+        old.step([state], [s])
+    moved = new.import_state(json.loads(json.dumps(old.export_state(state))))
+    got = [new.step([moved], [s])[0] for s in leak[400:]]
+    assert got == expected[400:]
+
+
+def test_a_malformed_linear_state_is_refused_naming_the_key() -> None:
+    fc = PredictLinearBaseline(60, 60)
+    st = fc.init_state()
+    fc.step([st], [smp(0, TOTAL // 2)])
+    good = fc.export_state(st)
+    with pytest.raises(ValueError, match="points"):
+        fc.import_state({**good, "points": [[1.0]]})
+    with pytest.raises(ValueError, match="sums"):
+        fc.import_state({**good, "sums": [0.0, 1.0]})
+    with pytest.raises(ValueError, match="under"):
+        KubeletBaseline().import_state({"next_poll_ts": None, "under": "no"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
 
@@ -643,3 +644,43 @@ def test_tick_rows_at_half_a_hz_take_every_sample() -> None:
     ts = [T0 + 2.0 * i for i in range(100)]
     assert tick_rows(ts, 1.0) == list(range(100))
     assert tick_rows([], 1.0) == []
+
+
+def test_a_saved_embedding_state_continues_exactly_where_it_stopped() -> None:
+    samples = [
+        smp(
+            T0 + i * 0.7,
+            used=0.3 + 0.002 * i,
+            allocated=0.2 + 0.001 * i,
+            reserved=0.5,
+            retries=i // 10,
+        )
+        for i in range(120)
+    ]
+    ref = EmbeddingState()
+    ref_vecs = [ref.embed(s) for s in samples]
+    st = EmbeddingState()
+    for s in samples[:70]:
+        st.embed(s)
+    restored = EmbeddingState.from_dict(json.loads(json.dumps(st.to_dict())))
+    assert restored == st
+    assert [restored.embed(s) for s in samples[70:]] == ref_vecs[70:]
+    assert EmbeddingState.from_dict(EmbeddingState().to_dict()) == EmbeddingState()
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"fast": [1.0, 2.0]}, "fast"),
+        ({"max_peak": "high"}, "max_peak"),
+        ({"first_ts": float("nan")}, "first_ts"),
+        ({"prev": {"ts": 1.0}}, "node"),
+    ],
+)
+def test_a_malformed_embedding_state_is_refused_naming_the_key(
+    change: dict[str, object], named: str
+) -> None:
+    st = EmbeddingState()
+    st.embed(smp(T0))
+    with pytest.raises(ValueError, match=named):
+        EmbeddingState.from_dict({**st.to_dict(), **change})

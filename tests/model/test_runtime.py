@@ -242,3 +242,50 @@ def test_a_stored_rule_is_read_by_its_name_or_by_the_name_older_models_wrote() -
     assert rule_fire_risk({"fire_risk": 0.4, "threshold": 0.7}) == 0.4
     with pytest.raises(KeyError, match="fire_risk"):
         rule_fire_risk({"horizon_s": 60})
+
+
+def test_an_exported_state_continues_in_another_forecaster_exactly() -> None:
+    """The shipped model, three domains at 10 Hz (the network ticks once a second), the
+    state exported between two ticks and imported into another forecaster whose slots are
+    laid out otherwise: it forecasts what the uninterrupted one does."""
+    from oomcast.model.runtime import DEFAULT_MODEL
+
+    domains = [stream(f"gpu{i}", 10.0, 40.0, phase=i) for i in range(3)]
+    rows = list(zip(*domains, strict=True))
+    cut = 175  # mid-tick: 0.5 s after the last committed step
+    ref = OnnxForecaster(DEFAULT_MODEL)
+    ref_states = [ref.init_state() for _ in domains]
+    expected = [ref.step(ref_states, list(row)) for row in rows]
+    old = OnnxForecaster(DEFAULT_MODEL)
+    states = [old.init_state() for _ in domains]
+    for row in rows[:cut]:
+        old.step(states, list(row))
+    saved = [json.loads(json.dumps(old.export_state(s))) for s in states]
+    new = OnnxForecaster(DEFAULT_MODEL)
+    [new.init_state() for _ in range(7)]  # other slots taken: the import must not care
+    moved = [new.import_state(d) for d in reversed(saved)][::-1]
+    got = [new.step(moved, list(row)) for row in rows[cut:]]
+    for g, e in zip(got, expected[cut:], strict=True):
+        np.testing.assert_allclose(outputs(new, g)[0], outputs(ref, e)[0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(outputs(new, g)[1], outputs(ref, e)[1], rtol=1e-5)
+    assert [s.tick_ts for s in moved] == [s.tick_ts for s in ref_states]
+
+
+def test_a_malformed_or_foreign_state_is_refused_without_taking_a_slot() -> None:
+    from oomcast.model.runtime import DEFAULT_MODEL
+
+    fc = OnnxForecaster(DEFAULT_MODEL)
+    state = fc.init_state()
+    fc.step([state], stream("gpu0", 1.0, 1.0))
+    good = fc.export_state(state)
+    free = len(fc._free)
+    for bad, named in [
+        ({**good, "hidden": fc.hidden * 2}, "LSTM"),
+        ({**good, "h": good["h"][:-8]}, "h"),
+        ({**good, "c": "not base64!"}, "c"),
+        ({**good, "tick_ts": "soon"}, "tick_ts"),
+        ({**good, "emb": {"fast": []}}, "fast"),
+    ]:
+        with pytest.raises(ValueError, match=named):
+            fc.import_state(bad)
+        assert len(fc._free) == free

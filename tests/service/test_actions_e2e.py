@@ -23,7 +23,7 @@ import redis
 from support import free_port, oomcast_cmd, start_serve, wait_until
 
 from oomcast.collectors.cgroupfs import MemoryCgroup
-from oomcast.model.control import new_command, sign_command
+from oomcast.model.control import new_command, node_key, sign_command
 from oomcast.model.wire import Keys, decode_event
 
 MIB = 1 << 20
@@ -334,9 +334,10 @@ def test_forged_expired_and_replayed_commands_are_refused_and_audited(
                 **kw,
             )
 
+        key = node_key(SECRET, stack.node)  # the service signs with the node's key
         stack.client.xadd(stream, sign_command(shed(), "not-the-secret"))  # forged
-        stack.client.xadd(stream, sign_command(shed(now=time.time() - 120), SECRET))  # expired
-        good = sign_command(shed(dry_run=True), SECRET)
+        stack.client.xadd(stream, sign_command(shed(now=time.time() - 120), key))  # expired
+        good = sign_command(shed(dry_run=True), key)
         stack.client.xadd(stream, good)
         stack.client.xadd(stream, good)  # replayed
         stack.client.xadd(stream, {"cmd": json.dumps(shed())})  # unsigned

@@ -36,6 +36,7 @@ BASELINE = "predict_linear_w60s_h60s_gate0.80_full"  # these tests pin the rule 
 
 def settings(redis_url: str, key_prefix: str, **kw: Any) -> Settings:
     kw.setdefault("forecaster", BASELINE)
+    kw.setdefault("max_ts_skew_s", 0)  # samples stamped around support.T0 (2025)
     return Settings(
         redis_url=redis_url, key_prefix=key_prefix, partitions=2, consumer_name="api-test", **kw
     )
@@ -164,7 +165,9 @@ def test_unreachable_redis_makes_readyz_503_without_crashing(key_prefix: str) ->
         assert r.json()["redis"] is False
         assert c.get("/livez").status_code == 200
         assert c.get("/v1/devices").status_code == 200
-        assert c.post("/v1/samples", json=body(2)).status_code == 503
+        refused = c.post("/v1/samples", json=body(2))
+        assert refused.status_code == 503
+        assert int(refused.headers["Retry-After"]) > 0  # tells the client when to come back
         assert c.post("/v1/predict", json=body(2)).status_code == 200  # needs no Redis
         assert "oomcast_redis_up 0.0" in c.get("/metrics").text
 

@@ -284,3 +284,17 @@ def test_summary_of_a_quiet_demo() -> None:
         "demo over: 0 OOMs, 0 of them warned of in advance; 0 alerts fired in all,"
         " 0 false alarms; 0 webhooks received, 0 with a bad signature."
     ]
+
+
+def test_demo_agents_hold_their_own_node_keys_never_the_master(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from oomcast.model.control import node_key
+
+    monkeypatch.setenv("OOMCAST_CONTROL_SECRET", "inherited-master")
+    envs = {node: demo.collector_env("redis://h/0", node, "m" * 64) for node, _, _ in demo.NODES}
+    for node, env in envs.items():
+        assert env["OOMCAST_NODE_KEY"] == node_key("m" * 64, node)
+        assert "OOMCAST_CONTROL_SECRET" not in env
+        assert env["OOMCAST_KEY_PREFIX"] == demo.PREFIX
+    assert len({env["OOMCAST_NODE_KEY"] for env in envs.values()}) == len(demo.NODES)

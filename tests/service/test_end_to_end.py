@@ -33,6 +33,8 @@ def stack(redis_url: str, key_prefix: str, webhook_receiver: Any) -> Any:
         "OOMCAST_WEBHOOK_SECRET": SECRET,
         "OOMCAST_CONSUMER_NAME": "e2e",
         "OOMCAST_FORECASTER": "predict_linear_w60s_h60s_gate0.80_full",
+        # traces replayed fast with their own (2025) stamps, so the test can compare them
+        "OOMCAST_MAX_TS_SKEW_S": "0",
     }
     server = start_serve(env, port)
     base = f"http://127.0.0.1:{port}"
@@ -40,7 +42,14 @@ def stack(redis_url: str, key_prefix: str, webhook_receiver: Any) -> Any:
     def replay(trace: Path, speed: float) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             oomcast_cmd(
-                "collect", "--source", "replay", "--trace", str(trace), "--speed", str(speed)
+                "collect",
+                "--source",
+                "replay",
+                "--trace",
+                str(trace),
+                "--speed",
+                str(speed),
+                "--keep-ts",
             ),
             env=env,
             capture_output=True,
@@ -81,13 +90,13 @@ def test_replayed_oom_fires_a_signed_webhook_before_the_oom(
     audit = httpx.get(f"{base}/v1/alerts").json()["alerts"]
     statuses = [a["status"] for a in audit if a.get("rule_name") == "oom-forecast"]
     assert statuses == ["resolved", "firing"]
-    # each record says what was done with it: the webhook queued; no Alertmanager and no
+    # each record says what was done with it: the webhook owed; no Alertmanager and no
     # control secret configured here, so those actions are recorded as not configured
     firing = next(
         a for a in audit if a.get("rule_name") == "oom-forecast" and a["status"] == "firing"
     )
     assert firing["dispatched"] == {
-        "webhook": "queued",
+        "webhook": "owed",
         "alertmanager": "not_configured",
         "checkpoint": "not_configured",
     }

@@ -63,6 +63,7 @@ def test_the_model_warns_through_the_real_pipeline_as_scored_and_before_a_quiet_
         "OOMCAST_KEY_PREFIX": key_prefix,
         "OOMCAST_WEBHOOK_URL": webhook_receiver.url,
         "OOMCAST_WEBHOOK_SECRET": SECRET,
+        "OOMCAST_MAX_TS_SKEW_S": "0",  # the trace is replayed fast with its own stamps
         "OOMCAST_CONSUMER_NAME": "model-e2e",
     }
     env.pop("OOMCAST_FORECASTER", None)
@@ -76,7 +77,9 @@ def test_the_model_warns_through_the_real_pipeline_as_scored_and_before_a_quiet_
         assert status["forecaster"]["kind"] == "model", status
         assert status["forecaster"]["provider"] == "CPUExecutionProvider"
         done = subprocess.run(
-            oomcast_cmd("collect", "--source", "replay", "--trace", str(TRACE), "--speed", "40"),
+            oomcast_cmd(
+                "collect", "--source", "replay", "--trace", str(TRACE), "--speed", "40", "--keep-ts"
+            ),
             env=env,
             capture_output=True,
             text=True,

@@ -15,13 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 from support import oomcast_cmd
 
-from oomcast.model.control import NonceCache, verify_command
+from oomcast.model.control import NonceCache, node_key, verify_command
 from oomcast.model.forecast import Forecast, RiskRow
 from oomcast.model.schema import Sample
 from oomcast.model.wire import Keys
 from oomcast.service.actions import Dispatcher
+from oomcast.service.outbox import Delivery, Outbox, delivery_id
 from oomcast.service.rulefile import DEFAULT_RULES, RulesError, load_rules
 from oomcast.service.rules import Alert, AlertPolicy, Episode, Rule, evaluate
 
@@ -202,40 +204,51 @@ def test_default_rules_load_and_explain_themselves() -> None:
     assert shed.dry_run == {"shed"}  # shedding is off until someone turns it on
 
 
-class FakeNotifier:
-    """A sender that keeps what it is given, with room for ``room`` alerts."""
+class FakeTarget:
+    """A receiver that keeps the deliveries it is told are owed (never posted here)."""
 
-    def __init__(self, room: int = 100) -> None:
-        self.sent: list[Mapping[str, Any]] = []
-        self.room = room
+    name = "webhook"
 
-    def has_room(self) -> bool:
-        return len(self.sent) < self.room
+    def __init__(self) -> None:
+        self.sent: list[Delivery] = []
 
-    def submit(self, payload: Mapping[str, Any]) -> bool:
-        self.sent.append(payload)
-        return True
+    def order_key(self, payload: Mapping[str, Any]) -> str:
+        return f"{payload['node']}/{payload['device']}"
+
+    def owed(self, delivery: Delivery) -> None:
+        self.sent.append(delivery)
+
+    def request(self, delivery: Delivery, now: float) -> tuple[str, bytes, dict[str, str]]:
+        raise AssertionError("nothing is posted in these tests")
 
 
 def test_dispatcher_records_what_it_did_and_signs_node_commands() -> None:
     rules = load_rules_from(
         {**RISK_RULE, "actions": ["webhook", "alertmanager", "checkpoint", "shed"]},
     )
-    webhook = FakeNotifier()
-    d = Dispatcher(Keys("t"), rules, webhook=webhook, alertmanager=None, control_secret="k")
+    webhook = FakeTarget()
+    outbox = Outbox(aioredis.Redis(), Keys("t"))  # never reached: the ingest loop stages
+    d = Dispatcher(
+        Keys("t"), rules, webhook=webhook, alertmanager=None, outbox=outbox, control_secret="k"
+    )
     t = Episode()
     now = time.time()
     step(t, rules[0], sample(now), fc(0.9, ts=now), now)
     alert = step(t, rules[0], sample(now), fc(0.9, ts=now), now)
     assert alert is not None
     out = d.dispatch(alert, now)
-    assert webhook.sent == [out.record]  # the finished record, with what was done
+    # owed: the finished record, with what was done, under an id made from the record
+    assert [x.payload for x in webhook.sent] == [out.record]
+    assert out.deliveries == tuple(webhook.sent)
+    assert out.deliveries[0].id == delivery_id(out.record, "webhook")
     done = out.record["dispatched"]
-    assert done["webhook"] == "queued" and done["alertmanager"] == "not_configured"
+    assert done["webhook"] == "owed" and done["alertmanager"] == "not_configured"
     assert {k: v for k, v in out.record.items() if k != "dispatched"} == alert.to_payload()
     assert [c.stream for c in out.commands] == ["t:control:{n1}", "t:control:{n1}"]
     cmds = [
-        verify_command(dict(c.fields), "k", now=time.time(), node="n1", nonces=NonceCache())
+        verify_command(
+            dict(c.fields), node_key("k", "n1"), now=time.time(), node="n1", nonces=NonceCache()
+        )
         for c in out.commands
     ]
     assert [c.action for c in cmds] == ["checkpoint", "shed"]
@@ -257,9 +270,6 @@ def test_dispatcher_records_what_it_did_and_signs_node_commands() -> None:
     calm = d.dispatch(dataclasses.replace(alert, repeat=True, used_bytes=50), now)
     assert calm.record["dispatched"]["shed"].startswith("n/a")
     assert [c.action for c in calm.commands] == ["checkpoint"]
-    # a full queue is recorded as a drop, and the alert is not handed over
-    full = Dispatcher(Keys("t"), rules, webhook=FakeNotifier(room=0))
-    assert full.dispatch(alert, now).record["dispatched"]["webhook"] == "dropped"
     # a broken dispatch is recorded on the alert, never raised into the ingest loop, and
     # then nothing is sent
     broken = d.dispatch(dataclasses.replace(alert, total_bytes="lots"), now)

@@ -32,7 +32,7 @@ def test_out_of_order_is_rejected_and_redelivery_is_a_duplicate() -> None:
     st.apply([sample(1.0, 0.5), sample(2.0, 0.6)], now=100.0)
     again = st.apply([sample(2.0, 0.6), sample(1.5, 0.7)], now=100.0)
     assert again.duplicates == 1
-    assert [(s.ts, e.field) for s, e in again.rejected] == [(1.5, "ts")]
+    assert [(s.ts, e.field) for s, e, _ in again.rejected] == [(1.5, "ts")]
 
 
 def test_oom_resolves_resets_and_skips_samples_read_late() -> None:

@@ -1,74 +1,138 @@
+"""Webhooks as receivers see them (service/webhook.py), delivered through the outbox and its
+worker against the real Redis and a real HTTP receiver: the signed body, the delivery id,
+which answers are retried."""
+
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import hmac
 import json
+import time
+from typing import Any
 
-from oomcast.service.webhook import SIGNATURE_HEADER, WebhookSender, sign_body, verify_signature
+import redis.asyncio as aioredis
+from support import WebhookReceiver, wait_until
+
+from oomcast.model.wire import Keys
+from oomcast.service.delivery import DELIVERY_HEADER, DeliveryWorker, new_delivery
+from oomcast.service.outbox import Outbox
+from oomcast.service.webhook import SIGNATURE_HEADER, WebhookTarget, sign_body, verify_signature
 
 SECRET = "s3cret"
 
 
-def _valid(req: dict) -> bool:
+def _valid(req: dict[str, Any]) -> bool:
     expected = "sha256=" + hmac.new(SECRET.encode(), req["body"], hashlib.sha256).hexdigest()
     return req["headers"].get(SIGNATURE_HEADER) == expected
 
 
-async def _send(receiver, payloads, **kw) -> list[str]:  # type: ignore[no-untyped-def]
+def _send(
+    redis_url: str, prefix: str, receiver: WebhookReceiver, payloads: list[dict[str, Any]]
+) -> list[str]:
+    """Owe ``payloads`` and run a worker until each has ended; the outcomes, in order."""
     results: list[str] = []
-    sender = WebhookSender(
-        receiver.url, SECRET, backoff_s=0.05, backoff_max_s=0.2, on_result=results.append, **kw
-    )
-    await sender.start()
-    for p in payloads:
-        assert sender.submit(p)
-    await sender.stop(grace_s=5.0)
+    ended = ("delivered", "refused", "expired")
+
+    async def go() -> None:
+        client = aioredis.from_url(redis_url)
+        outbox = Outbox(client, Keys(prefix))
+        target = WebhookTarget(receiver.url, SECRET)
+        worker = DeliveryWorker(
+            outbox,
+            {"webhook": target},
+            audit_stream=Keys(prefix).alerts,
+            timeout_s=0.5,
+            backoff_s=0.02,
+            backoff_max_s=0.1,
+            claim_s=1.0,
+            poll_s=0.02,
+            on_outcome=lambda t, r: results.append(r),
+        )
+        await worker.start()
+        now = time.time()
+        await outbox.put([new_delivery(target, p, now) for p in payloads], now)
+        done = lambda: sum(r in ended for r in results) == len(payloads)  # noqa: E731
+        assert await asyncio.to_thread(wait_until, done, 20)
+        await worker.stop()
+        await client.aclose()
+
+    asyncio.run(go())
     return results
 
 
-def test_delivers_signed_json(webhook_receiver) -> None:  # type: ignore[no-untyped-def]
-    results = asyncio.run(_send(webhook_receiver, [{"status": "firing", "node": "n"}]))
-    assert results == ["delivered"]
+def alert(device: str = "gpu0", status: str = "firing") -> dict[str, Any]:
+    return {
+        "status": status,
+        "node": "n",
+        "device": device,
+        "episode": f"ep-{device}",
+        "sent_at": time.time(),
+    }
+
+
+def test_delivers_signed_json_with_its_delivery_id(
+    redis_url: str, key_prefix: str, webhook_receiver: WebhookReceiver
+) -> None:
+    payload = alert()
+    assert _send(redis_url, key_prefix, webhook_receiver, [payload]) == ["delivered"]
     (req,) = webhook_receiver.requests
-    assert req["json"] == {"status": "firing", "node": "n"}
+    delivery = req["headers"][DELIVERY_HEADER]
+    assert req["json"] == {**payload, "delivery_id": delivery}  # the id is signed too
+    assert delivery.startswith("ep-gpu0.firing.") and delivery.endswith(".webhook")
     assert req["headers"]["Content-Type"] == "application/json"
     assert _valid(req)
 
 
-def test_retries_server_errors_then_succeeds(webhook_receiver) -> None:  # type: ignore[no-untyped-def]
-    webhook_receiver.statuses = [500, 503]
-    results = asyncio.run(_send(webhook_receiver, [{"status": "firing"}]))
-    assert results == ["retry", "retry", "delivered"]
-    assert len(webhook_receiver.requests) == 3
+def test_retries_server_errors_408_and_429_then_succeeds(
+    redis_url: str, key_prefix: str, webhook_receiver: WebhookReceiver
+) -> None:
+    webhook_receiver.statuses = [500, 503, 408, 429]
+    results = _send(redis_url, key_prefix, webhook_receiver, [alert()])
+    assert results == ["retry", "retry", "retry", "retry", "delivered"]
+    assert len(webhook_receiver.requests) == 5
     assert all(_valid(r) for r in webhook_receiver.requests)
+    assert len({r["headers"][DELIVERY_HEADER] for r in webhook_receiver.requests}) == 1
 
 
-def test_gives_up_after_max_attempts(webhook_receiver) -> None:  # type: ignore[no-untyped-def]
-    webhook_receiver.statuses = [500] * 10
-    results = asyncio.run(_send(webhook_receiver, [{"status": "firing"}], max_attempts=3))
-    assert results == ["retry", "retry", "retry", "failed"]
-    assert len(webhook_receiver.requests) == 3
-
-
-def test_client_errors_are_not_retried(webhook_receiver) -> None:  # type: ignore[no-untyped-def]
-    webhook_receiver.statuses = [400]
-    results = asyncio.run(_send(webhook_receiver, [{"status": "firing"}]))
-    assert results == ["refused"]
+def test_client_errors_are_not_retried(
+    redis_url: str, key_prefix: str, webhook_receiver: WebhookReceiver
+) -> None:
+    webhook_receiver.statuses = [404]
+    assert _send(redis_url, key_prefix, webhook_receiver, [alert()]) == ["refused"]
     assert len(webhook_receiver.requests) == 1
 
 
-def test_full_queue_drops_without_blocking() -> None:
-    results: list[str] = []
+def test_a_domains_alerts_arrive_in_order_despite_retries(
+    redis_url: str, key_prefix: str, webhook_receiver: WebhookReceiver
+) -> None:
+    webhook_receiver.statuses = [503, 503]  # the first tried needs two retries
+    resolved = {**alert("gpu0", "resolved"), "sent_at": time.time() + 1}
+    alerts = [alert("gpu0"), resolved, alert("gpu1")]
+    results = _send(redis_url, key_prefix, webhook_receiver, alerts)
+    assert results.count("delivered") == 3
+    delivered = [
+        (r["json"]["device"], r["json"]["status"])
+        for r in webhook_receiver.requests
+        if r["status"] == 200
+    ]
+    assert [s for d, s in delivered if d == "gpu0"] == ["firing", "resolved"]
 
-    async def go() -> list[bool]:
-        sender = WebhookSender(
-            "http://127.0.0.1:9/none", SECRET, queue_size=2, on_result=results.append
-        )
-        return [sender.submit({"i": i}) for i in range(4)]
 
-    assert asyncio.run(go()) == [True, True, False, False]
-    assert results == ["dropped", "dropped"]
+def test_backoff_is_capped_jittered_and_honours_retry_after() -> None:
+    worker = DeliveryWorker(
+        Outbox(aioredis.Redis(), Keys("unused")),
+        {},
+        audit_stream="unused",
+        backoff_s=1.0,
+        backoff_max_s=8.0,
+    )
+    for attempts, full in [(1, 1.0), (2, 2.0), (3, 4.0), (4, 8.0), (10, 8.0), (500, 8.0)]:
+        delays = [worker._backoff(attempts, None) for _ in range(50)]
+        assert all(full / 2 <= d <= full for d in delays), (attempts, delays)
+        assert len(set(delays)) > 1  # jittered: a receiver back up is not hit all at once
+    assert worker._backoff(1, 5.0) == 5.0  # Retry-After, within the cap
+    assert worker._backoff(1, 600.0) == 8.0  # ... but never past it
 
 
 def test_signature_helpers_agree() -> None:
@@ -78,59 +142,3 @@ def test_signature_helpers_agree() -> None:
     assert not verify_signature(body + b" ", sig, SECRET)
     assert not verify_signature(body, sig, "other")
     assert not verify_signature(body, None, SECRET)
-
-
-def test_a_domains_alerts_arrive_in_order_despite_retries(webhook_receiver) -> None:  # type: ignore[no-untyped-def]
-    webhook_receiver.statuses = [503, 503]  # the firing alert needs two retries
-    alerts = [
-        {"status": "firing", "node": "n", "device": "gpu0"},
-        {"status": "resolved", "node": "n", "device": "gpu0"},
-        {"status": "firing", "node": "n", "device": "gpu1"},
-    ]
-    results = asyncio.run(_send(webhook_receiver, alerts))
-    assert results.count("delivered") == 3
-    delivered = [
-        (r["json"]["device"], r["json"]["status"])
-        for r in webhook_receiver.requests
-        if r["status"] == 200
-    ]
-    gpu0 = [s for d, s in delivered if d == "gpu0"]
-    assert gpu0 == ["firing", "resolved"]
-
-
-def test_a_receiver_that_is_down_delays_nothing_and_gets_the_alerts_when_back() -> None:
-    import time
-
-    from support import WebhookReceiver, free_port, wait_until
-
-    port = free_port()  # nothing listens there yet
-    results: list[str] = []
-    receiver: list[WebhookReceiver] = []
-
-    async def scenario() -> float:
-        sender = WebhookSender(
-            f"http://127.0.0.1:{port}/hook",
-            SECRET,
-            backoff_s=0.1,
-            backoff_max_s=0.5,
-            max_attempts=8,
-            on_result=results.append,
-        )
-        await sender.start()
-        t0 = time.perf_counter()
-        for i in range(50):  # alerts of 50 domains while the receiver is down
-            assert sender.submit({"status": "firing", "node": "n", "device": f"gpu{i}"})
-        took = time.perf_counter() - t0
-        assert await asyncio.to_thread(wait_until, lambda: "retry" in results, 10)  # it is down
-        receiver.append(WebhookReceiver(port))  # it comes back
-        await sender.stop(grace_s=10.0)
-        return took
-
-    took = asyncio.run(scenario())
-    try:
-        assert took < 0.05, f"submitting while the receiver is down took {took:.3f}s"
-        assert "retry" in results  # it really was down at first
-        assert results.count("delivered") == 50
-        assert {r["json"]["device"] for r in receiver[0].requests} == {f"gpu{i}" for i in range(50)}
-    finally:
-        receiver[0].close()

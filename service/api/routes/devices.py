@@ -6,13 +6,14 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Query
 
 from oomcast.service.api.deps import Authorized, Ctx
+from oomcast.service.api.responses import V1, responses
 
 router = APIRouter(tags=["devices"], dependencies=[Authorized])
 # These handlers are async on purpose: they then run on the event loop, between ingest
 # batches, and never see the live state while the ingest loop is changing it.
 
 
-@router.get("/devices")
+@router.get("/devices", responses=responses(*V1, 422))
 async def list_devices(ctx: Ctx, limit: int = Query(1000, ge=1, le=100_000)) -> dict[str, Any]:
     """Every live memory domain with its latest forecast, riskiest first."""
     horizon = ctx.live.horizon_s
@@ -24,7 +25,7 @@ async def list_devices(ctx: Ctx, limit: int = Query(1000, ge=1, le=100_000)) -> 
     }
 
 
-@router.get("/devices/{node}/{device:path}")
+@router.get("/devices/{node}/{device:path}", responses=responses(*V1, 404, 422))
 async def get_device(
     node: str, device: str, ctx: Ctx, history: int = Query(300, ge=0, le=100_000)
 ) -> dict[str, Any]:

@@ -6,12 +6,13 @@ from fastapi import APIRouter
 
 from oomcast.model.forecast import release_state
 from oomcast.service.api.deps import Authorized, Ctx
+from oomcast.service.api.responses import WITH_BODY, responses
 from oomcast.service.api.samples_in import SamplesBody, parse_samples
 
 router = APIRouter(tags=["forecast"], dependencies=[Authorized])
 
 
-@router.post("/predict")
+@router.post("/predict", responses=responses(*WITH_BODY))
 def predict(body: SamplesBody, ctx: Ctx) -> dict[str, Any]:
     """Forecast one domain from its recent samples (stateless: live state is not touched)."""
     samples = parse_samples(body.samples, limit=ctx.settings.max_predict_samples, one_domain=True)

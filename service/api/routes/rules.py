@@ -5,12 +5,13 @@ from typing import Any
 from fastapi import APIRouter
 
 from oomcast.service.api.deps import Authorized, Ctx
+from oomcast.service.api.responses import V1, responses
 from oomcast.service.rules import describe_rules
 
 router = APIRouter(tags=["rules"], dependencies=[Authorized])
 
 
-@router.get("/rules")
+@router.get("/rules", responses=responses(*V1))
 async def list_rules(ctx: Ctx) -> dict[str, Any]:
     """The rules in force, highest priority first, and which actions are configured."""
     dispatcher = ctx.dispatcher

@@ -1,0 +1,195 @@
+"""Step 1 of ingest: stream entries read into samples and events, and dead letters, with
+a ``code`` each (``REJECT_CODES``), for what cannot be used. Pure functions: no I/O, and the
+only time they read is each entry's arrival in Redis (its id), passed in with it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from oomcast.model.schema import Event, Sample, SchemaError
+from oomcast.model.wire import DecodedSample, Keys, decode_event, decode_samples, entry_attested
+
+log = logging.getLogger("oomcast.service.ingest")
+
+Fields = Mapping[bytes | str, bytes | str]
+StreamEntries = Sequence[tuple[bytes | str, Fields | None]]
+DeadLetter = dict[str, bytes | str]
+KeyForNode = Callable[[str], str | None]
+Embedding = list[float] | None
+
+
+# What the node agents and in-job hooks report about actions: kept in the audit stream, next to
+# the alerts that caused them, so /v1/alerts tells the whole story of an episode.
+AUDITED_EVENTS = frozenset(
+    {
+        "action_result",
+        "command_refused",
+        "checkpoint_requested",
+        "checkpoint_done",
+        "checkpoint_failed",
+    }
+)
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+@dataclass
+class Decoded:
+    """A batch of entries, read: samples (with the node's embeddings, where they match the
+    model's schema) or events, and dead letters for what could not be read."""
+
+    samples: list[Sample] = field(default_factory=list)
+    embeddings: list[Embedding] = field(default_factory=list)
+    arrived_ms: list[int] = field(default_factory=list)  # when Redis received each sample
+    attested: list[bool] = field(default_factory=list)  # signed by the sample's own node
+    events: list[tuple[Event, Fields]] = field(default_factory=list)
+    deadletters: list[DeadLetter] = field(default_factory=list)
+
+
+# Why a sample or entry was dead-lettered: the ``code`` of its dead letter and the
+# ``reason`` label of oomcast_samples_rejected_total.
+REJECT_CODES = (
+    "undecodable",  # the entry is not a sample entry at all
+    "schema",  # a sample breaks the trace format (a name too long, a negative count, ...)
+    "ts_skew",  # its ts is too far from when it reached Redis
+    "out_of_order",  # not after the previous sample of its domain
+    "unattested",  # unsigned, while the domain's own node signs its samples
+)
+
+
+def deadletter(
+    stream: str, entry_id: bytes | str, fields: Fields, reason: str, code: str = "undecodable"
+) -> DeadLetter:
+    log.warning("dead-lettered entry %s of %s: %s", _s(entry_id), stream, reason)
+    out: DeadLetter = {
+        "stream": stream,
+        "entry_id": _s(entry_id),
+        "reason": reason,
+        "code": code,
+    }
+    for k, v in fields.items():
+        key = _s(k)
+        if key not in out:
+            out[f"orig.{key}"] = v  # what arrived, as it arrived: nothing accepted is lost
+    return out
+
+
+def sample_deadletter(
+    stream: str, entry_id: str, sample: Sample, reason: str, code: str
+) -> DeadLetter:
+    """One sample of an entry, refused: the sample as read, why, and the entry it came in."""
+    return {
+        "stream": stream,
+        "entry_id": entry_id,
+        "reason": reason,
+        "code": code,
+        "sample": _dumps(sample.to_dict()),
+    }
+
+
+def decode_sample_entries(
+    stream: str,
+    entries: StreamEntries,
+    emb_version: int | None,
+    *,
+    max_skew_s: float = 0.0,
+    key_for_node: KeyForNode | None = None,
+) -> Decoded:
+    """Step 1 for a sample stream. A sample whose ts lies more than ``max_skew_s`` (0: no
+    limit) from the entry's arrival in Redis is dead-lettered. ``key_for_node`` gives a
+    node's key: a sample is *attested* when its entry carries a valid signature under the
+    key of the node that wrote it and the sample is of that node's own domains."""
+    out = Decoded()
+    for entry_id, fields in entries:
+        if fields is None:
+            continue  # trimmed away before we read it
+        try:
+            decoded = decode_samples(dict(fields))
+        except Exception as exc:  # any undecodable entry, not only the foreseen ones
+            out.deadletters.append(deadletter(stream, entry_id, fields, _reason(exc)))
+            continue
+        eid = _s(entry_id)
+        ms = int(eid.split("-")[0])
+        signed_by = _signer(fields, key_for_node)
+        for item in decoded:
+            if not isinstance(item, DecodedSample):
+                out.deadletters.append(deadletter(stream, entry_id, fields, str(item), "schema"))
+                continue
+            sample = item.sample
+            skew = sample.ts - ms / 1000
+            if max_skew_s and abs(skew) > max_skew_s:
+                why = (
+                    f"ts {sample.ts!r} is {abs(skew):.0f}s {'ahead of' if skew > 0 else 'behind'}"
+                    f" its arrival in Redis; the limit is {max_skew_s:g}s (OOMCAST_MAX_TS_SKEW_S)"
+                )
+                out.deadletters.append(sample_deadletter(stream, eid, sample, why, "ts_skew"))
+                continue
+            out.samples.append(sample)
+            # the node's embedding when it speaks the model's schema, else recomputed
+            out.embeddings.append(item.emb if item.emb_v == emb_version else None)
+            out.arrived_ms.append(ms)
+            out.attested.append(signed_by is not None and signed_by == sample.node)
+    return out
+
+
+def _signer(fields: Fields, key_for_node: KeyForNode | None) -> str | None:
+    """The node whose key signed this entry, or None (unsigned, forged, or no keys here)."""
+    if key_for_node is None:
+        return None
+    try:
+        if not entry_attested(dict(fields), key_for_node):
+            return None
+    except Exception:  # a malformed signature field is an unsigned entry, nothing worse
+        return None
+    return _s(fields.get(b"node", fields.get("node", b"")) or b"") or None
+
+
+def decode_event_entries(
+    stream: str, entries: StreamEntries, keys: Keys, partitions: Sequence[int]
+) -> Decoded:
+    """Step 1 for the events stream: the events of the nodes this replica owns."""
+    out = Decoded()
+    for entry_id, fields in entries:
+        if fields is None:
+            continue
+        try:
+            event = decode_event(dict(fields))
+        except Exception as exc:  # any undecodable entry, not only the foreseen ones
+            out.deadletters.append(deadletter(stream, entry_id, fields, _reason(exc)))
+            continue
+        if keys.partition_of(event.node) in partitions:  # else another replica's node
+            out.events.append((event, fields))
+    return out
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, SchemaError):
+        return str(exc)
+    return f"undecodable entry ({type(exc).__name__}: {exc})"[:500]
+
+
+def _audit_record(name: str, fields: Fields) -> dict[str, Any]:
+    """The event as its sender wrote it (with the keys readers do not model), marked so."""
+    raw = fields.get(b"event", fields.get("event"))
+    try:
+        obj = json.loads(raw) if raw is not None else {}
+    except ValueError:
+        obj = {}
+    if not isinstance(obj, dict):
+        obj = {}
+    obj.setdefault("event", name)
+    obj["record"] = "event"
+    if "id" in obj:  # the command's id; "id" in /v1/alerts is the audit entry's own
+        obj["command_id"] = obj.pop("id")
+    return obj

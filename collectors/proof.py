@@ -1,12 +1,13 @@
-"""Proof on the node: before a live action, the agent measures the domain itself.
+"""Proof on the node: before a live shed, the agent measures the domain itself.
 
 A valid signature proves that the service sent a command, not that the memory state behind
-its forecast was real: anyone who can write to Redis can add forged samples, and the
-service forecasts from whatever it reads. So before a live checkpoint or shed the node
-agent reads the domain with its own eyes (a GPU through NVML, a ``cgroup:<path>`` domain
-from the cgroup's files) and acts only when that reading confirms the danger the command
-claims. The command's ``forecast`` carries ``used_bytes`` and ``total_bytes`` of the sample
-the alert was made from; the claim is confirmed when
+its forecast was real: anyone who can write to Redis can add forged samples, and the service
+forecasts from whatever it reads. So before a live shed (the one action that can lose work,
+``model.control.DESTRUCTIVE_ACTIONS``) the node agent reads the domain with its own eyes (a
+GPU through NVML, a ``cgroup:<path>`` domain from the cgroup's files) and acts only when
+that reading confirms the danger the command claims. The command's ``forecast`` carries
+``used_bytes`` and ``total_bytes`` of the sample the alert was made from; the claim is
+confirmed when
 
 * the measured capacity is the claimed one, within :data:`CAPACITY_TOLERANCE` of it (a
   forged sample of a "smaller GPU" does not pass), and
@@ -16,7 +17,7 @@ the alert was made from; the claim is confirmed when
 
 A domain the agent cannot measure (a replayed trace, a GPU NVML no longer answers for, a
 cgroup without a limit) is not confirmed, nor is a command that claims no figures. Dry runs
-act on nothing, so they need no proof.
+act on nothing, and a checkpoint only asks a job to save its work, so neither needs proof.
 """
 
 from __future__ import annotations

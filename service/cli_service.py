@@ -43,13 +43,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from oomcast.collectors.hook import bench_hook
 
         result = bench_hook(args.steps, url)
+    elif args.what == "api":
+        from oomcast.service.bench_api import bench_api
+
+        if args.domains < 1 or args.requests < 1:
+            raise UsageError("bench api: --domains and --requests must be at least 1")
+        result = bench_api(domains=args.domains, requests=args.requests)
     else:
         import redis
 
         from oomcast.collectors.bench import bench_agent
 
         try:
-            result = bench_agent(url, seconds=args.seconds, hz=args.hz, domains=args.domains)
+            result = bench_agent(
+                url, seconds=args.seconds, hz=args.hz, domains=args.domains, gpus=args.gpus
+            )
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         except redis.RedisError as exc:
             raise UsageError(f"bench agent needs a Redis at {redact_url(url)}: {exc}") from None
     if args.json:
@@ -147,16 +157,18 @@ def add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="measure a hot path")
     b.add_argument(
         "what",
-        choices=["inference", "hook", "agent", "faults"],
+        choices=["inference", "hook", "agent", "faults", "api"],
         help="inference: the forecaster per sample; hook: the in-process hook's step();"
         " agent: the node agent's CPU use; faults: the fault scenarios on real processes"
-        " (docs/bench.md)",
+        " (docs/bench.md); api: GET /v1/devices over --domains live domains",
     )
     b.add_argument("--model", help="ONNX model (default: shipped, else an untrained one)")
     b.add_argument("--seconds", type=float, default=2.0, help="per measurement (agent: total)")
     b.add_argument("--steps", type=int, default=20_000, help="hook: steps timed")
+    b.add_argument("--requests", type=int, default=50, help="api: requests timed per query")
     b.add_argument("--hz", type=float, default=10.0, help="agent: sampling rate")
     b.add_argument("--domains", type=int, default=8, help="agent: memory cgroups watched")
+    b.add_argument("--gpus", type=int, default=8, help="agent: fake-NVML GPUs watched")
     b.add_argument("--redis-url", default=None, help="hook, agent: default $OOMCAST_REDIS_URL")
     b.add_argument(
         "--only",

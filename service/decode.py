@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,10 @@ StreamEntries = Sequence[tuple[bytes | str, Fields | None]]
 DeadLetter = dict[str, bytes | str]
 KeyForNode = Callable[[str], str | None]
 Embedding = list[float] | None
+# One sample entry is one node's tick: a few KB for 8 GPUs. A field far past this is junk
+# (or an attack) that must not reach the JSON parser.
+MAX_ENTRY_BYTES = 4 * 1024 * 1024
+MAX_KEPT_BYTES = 64 * 1024  # of each field of a dead-lettered entry
 
 
 # What the node agents and in-job hooks report about actions: kept in the audit stream, next to
@@ -65,6 +70,7 @@ REJECT_CODES = (
     "ts_skew",  # its ts is too far from when it reached Redis
     "out_of_order",  # not after the previous sample of its domain
     "unattested",  # unsigned, while the domain's own node signs its samples
+    "wrong_partition",  # in a partition's stream its node does not hash to
 )
 
 
@@ -81,8 +87,29 @@ def deadletter(
     for k, v in fields.items():
         key = _s(k)
         if key not in out:
-            out[f"orig.{key}"] = v  # what arrived, as it arrived: nothing accepted is lost
+            # what arrived, as it arrived (nothing accepted is lost), up to a bound: a
+            # 500 MB field must not be copied into Redis a second time
+            out[f"orig.{key}"] = v[:MAX_KEPT_BYTES]
+            if len(v) > MAX_KEPT_BYTES:
+                out[f"orig.{key}.truncated_from"] = str(len(v))
     return out
+
+
+def arrival_ms(entry_id: str, now_ms: int) -> int:
+    """When an entry reached Redis: its id's time, but never later than now. A writer may
+    choose an entry id; one far in the future makes Redis stamp every later entry of the
+    stream after it, and those must not all read as arrived in the future."""
+    return min(int(entry_id.split("-")[0]), now_ms)
+
+
+def _skew_problem(ts: float, arrived_s: float, max_skew_s: float) -> str | None:
+    skew = ts - arrived_s
+    if not max_skew_s or abs(skew) <= max_skew_s:
+        return None
+    return (
+        f"ts {ts!r} is {abs(skew):.0f}s {'ahead of' if skew > 0 else 'behind'} its arrival in"
+        f" Redis; the limit is {max_skew_s:g}s (OOMCAST_MAX_TS_SKEW_S)"
+    )
 
 
 def sample_deadletter(
@@ -105,35 +132,51 @@ def decode_sample_entries(
     *,
     max_skew_s: float = 0.0,
     key_for_node: KeyForNode | None = None,
+    keys: Keys | None = None,
+    now_ms: int | None = None,
 ) -> Decoded:
     """Step 1 for a sample stream. A sample whose ts lies more than ``max_skew_s`` (0: no
     limit) from the entry's arrival in Redis is dead-lettered. ``key_for_node`` gives a
     node's key: a sample is *attested* when its entry carries a valid signature under the
-    key of the node that wrote it and the sample is of that node's own domains."""
+    key of the node that wrote it and the sample is of that node's own domains. With
+    ``keys``, a sample of a node that hashes to another partition than ``stream``'s is
+    dead-lettered (``wrong_partition``): its state would live on two replicas."""
     out = Decoded()
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    home = _partition_of_stream(stream, keys)
     for entry_id, fields in entries:
         if fields is None:
             continue  # trimmed away before we read it
+        raw = fields.get(b"samples", fields.get("samples", b""))
+        if raw is not None and len(raw) > MAX_ENTRY_BYTES:
+            big = f"the samples field is {len(raw)} bytes; the limit is {MAX_ENTRY_BYTES}"
+            out.deadletters.append(deadletter(stream, entry_id, fields, big))
+            continue
         try:
             decoded = decode_samples(dict(fields))
         except Exception as exc:  # any undecodable entry, not only the foreseen ones
             out.deadletters.append(deadletter(stream, entry_id, fields, _reason(exc)))
             continue
         eid = _s(entry_id)
-        ms = int(eid.split("-")[0])
+        ms = arrival_ms(eid, now)
         signed_by = _signer(fields, key_for_node)
         for item in decoded:
             if not isinstance(item, DecodedSample):
                 out.deadletters.append(deadletter(stream, entry_id, fields, str(item), "schema"))
                 continue
             sample = item.sample
-            skew = sample.ts - ms / 1000
-            if max_skew_s and abs(skew) > max_skew_s:
-                why = (
-                    f"ts {sample.ts!r} is {abs(skew):.0f}s {'ahead of' if skew > 0 else 'behind'}"
-                    f" its arrival in Redis; the limit is {max_skew_s:g}s (OOMCAST_MAX_TS_SKEW_S)"
-                )
+            why = _skew_problem(sample.ts, ms / 1000, max_skew_s)
+            if why is not None:
                 out.deadletters.append(sample_deadletter(stream, eid, sample, why, "ts_skew"))
+                continue
+            if home is not None and keys is not None and keys.partition_of(sample.node) != home:
+                wrong = (
+                    f"node {sample.node} belongs to partition {keys.partition_of(sample.node)},"
+                    f" not {home} (agents and service must agree on OOMCAST_PARTITIONS)"
+                )
+                out.deadletters.append(
+                    sample_deadletter(stream, eid, sample, wrong, "wrong_partition")
+                )
                 continue
             out.samples.append(sample)
             # the node's embedding when it speaks the model's schema, else recomputed
@@ -155,11 +198,29 @@ def _signer(fields: Fields, key_for_node: KeyForNode | None) -> str | None:
     return _s(fields.get(b"node", fields.get("node", b"")) or b"") or None
 
 
+def _partition_of_stream(stream: str, keys: Keys | None) -> int | None:
+    if keys is None:
+        return None
+    for p in range(keys.partitions):
+        if keys.samples(p) == stream:
+            return p
+    return None
+
+
 def decode_event_entries(
-    stream: str, entries: StreamEntries, keys: Keys, partitions: Sequence[int]
+    stream: str,
+    entries: StreamEntries,
+    keys: Keys,
+    partitions: Sequence[int],
+    *,
+    max_skew_s: float = 0.0,
+    now_ms: int | None = None,
 ) -> Decoded:
-    """Step 1 for the events stream: the events of the nodes this replica owns."""
+    """Step 1 for the events stream: the events of the nodes this replica owns. An event
+    stamped too far from its arrival is dead-lettered like a sample: an ``oom`` at
+    ts=1e300 would otherwise make every later sample of its domain "late"."""
     out = Decoded()
+    now = int(time.time() * 1000) if now_ms is None else now_ms
     for entry_id, fields in entries:
         if fields is None:
             continue
@@ -167,6 +228,10 @@ def decode_event_entries(
             event = decode_event(dict(fields))
         except Exception as exc:  # any undecodable entry, not only the foreseen ones
             out.deadletters.append(deadletter(stream, entry_id, fields, _reason(exc)))
+            continue
+        why = _skew_problem(event.ts, arrival_ms(_s(entry_id), now) / 1000, max_skew_s)
+        if why is not None:
+            out.deadletters.append(deadletter(stream, entry_id, fields, why, "ts_skew"))
             continue
         if keys.partition_of(event.node) in partitions:  # else another replica's node
             out.events.append((event, fields))

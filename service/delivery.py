@@ -7,13 +7,15 @@ POST built by its target (``WebhookTarget``, ``AlertmanagerTarget``), carrying
 worker that dies between a receiver's 2xx and the outbox hearing of it leaves the delivery
 owed, and it is posted again).
 
-Outcomes: a 2xx ends it (``delivered``); connection errors, timeouts, 5xx, 408 and 429 are
-tried again later (``retry``) with capped exponential backoff and jitter (a ``Retry-After``
-is honoured up to the cap), across restarts, until the delivery is older than its maximum
-age (``expired``, 24 h by default); any other 4xx ends it (``refused``: no retry would mend
-it). Each end is written to the audit stream as a ``"record": "delivery"`` entry, so
-``/v1/alerts`` says what became of every alert; keep-alives (Alertmanager re-sends) are not.
-"""
+Outcomes: a 2xx ends it (``delivered``); a 400, 413, 415 or 422 ends it too (``refused``:
+the receiver says the body itself is wrong, and no retry would mend it). Anything else
+(connection errors, timeouts, 5xx, 408, 429, but also a redirect, a 401 or 403 while a
+credential is rotated, a 404 from an ingress mid-deploy) is tried again later (``retry``)
+with capped exponential backoff and jitter (a ``Retry-After`` is honoured up to the cap),
+across restarts, until the delivery is older than its maximum age (``expired``, 24 h by
+default): an alert leaves the outbox on a 2xx, or when it is certain no retry helps. Each
+end is written to the audit stream as a ``"record": "delivery"`` entry, so ``/v1/alerts``
+says what became of every alert; keep-alives (Alertmanager re-sends) are not."""
 
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ from oomcast.service.outbox import Claimed, Delivery, Health, Outbox, delivery_i
 log = logging.getLogger(__name__)
 
 DELIVERY_HEADER = "X-Oomcast-Delivery"
-RETRYABLE = frozenset({408, 429})
+# What a receiver answers when the body itself is wrong: retrying the same body cannot help.
+REFUSED = frozenset({400, 413, 415, 422})
 HEALTH_EVERY_S = 1.0
 
 
@@ -85,7 +88,7 @@ class Tried:
 
     @property
     def retryable(self) -> bool:
-        return self.status is None or self.status >= 500 or self.status in RETRYABLE
+        return self.status is None or self.status not in REFUSED
 
 
 def _retry_after(resp: httpx.Response) -> float | None:

@@ -141,6 +141,10 @@ class EdgeMiddleware:
         # connection (clients then see the answer instead of a stalled upload).
         closing = {"Connection": "close"} if has_body else {}
         path: str = scope.get("path", "")
+        root: str = scope.get("root_path", "")
+        if root and path.startswith(root):
+            # behind a proxy (uvicorn --root-path) the routes see the path below the root
+            path = path[len(root) :]
         if (
             self._token is not None
             and is_protected(path)

@@ -11,11 +11,10 @@ batch of entries down one pipeline, top to bottom (``Ingestor.process``):
    letters, then the node commands, to Redis;
 5. **acknowledge** the entries (``XACK``), only once their effects are on record.
 
-So a crash loses nothing: on restart the service first re-reads its own pending entries
-(``XREADGROUP`` from id 0), and periodically claims entries that another, dead, consumer
-left pending for longer than ``claim_idle_ms`` (``XAUTOCLAIM``). Records and commands that
-could not be written are kept (``Commit``) and written with the next batch, so a Redis blip
-does not leave the audit stream short of an alert already sent.
+So a crash loses nothing: a partition acquired (at start too) is restored from its
+snapshots and all its pending entries are claimed (``XAUTOCLAIM``); entries another
+consumer left pending for ``claim_idle_ms`` are claimed too. Records and commands not
+written (Redis failed) are kept (``Commit``) for the next batch.
 
 A replica reads the partitions it holds a lease on (``service/ownership.py``; or the fixed
 set ``OOMCAST_PARTITIONS_OWNED`` names), so each domain's state lives on exactly one
@@ -35,8 +34,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 import redis.asyncio as aioredis
@@ -44,12 +42,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from oomcast.model.schema import Domain
 from oomcast.model.wire import Keys
-from oomcast.service.actions import Dispatched, NodeCommand
+from oomcast.service.actions import Dispatched
+from oomcast.service.batch import Commit, Evaluated
 from oomcast.service.decode import (
     AUDITED_EVENTS,
-    DeadLetter,
     Decoded,
     KeyForNode,
     StreamEntries,
@@ -61,7 +58,7 @@ from oomcast.service.decode import (
 )
 from oomcast.service.leases import PartitionOwner, StaticPartitions
 from oomcast.service.metrics import Metrics
-from oomcast.service.outbox import Delivery, Outbox
+from oomcast.service.outbox import Outbox
 from oomcast.service.ownership import Ownership, Snapshots
 from oomcast.service.rules import Alert
 from oomcast.service.snapshot import SnapshotStore
@@ -85,28 +82,6 @@ class AlertDispatcher(Protocol):
     outbox: Outbox | None  # where the deliveries it decides are owed
 
     def dispatch(self, alert: Alert, now: float) -> Dispatched: ...
-
-
-@dataclass
-class Evaluated:
-    """What forecasting a batch and running the rules on it gave."""
-
-    alerts: list[Alert] = field(default_factory=list)
-    audit_events: list[dict[str, Any]] = field(default_factory=list)
-    deadletters: list[DeadLetter] = field(default_factory=list)
-    touched: list[Domain] = field(default_factory=list)  # domains whose state moved
-
-
-@dataclass
-class Commit:
-    """What must be on record before the batch is acknowledged: audit records (alerts and
-    audited events), the deliveries they owe and dead letters, then node commands."""
-
-    records: list[Mapping[str, Any]] = field(default_factory=list)
-    deadletters: list[DeadLetter] = field(default_factory=list)
-    commands: list[NodeCommand] = field(default_factory=list)
-    deliveries: list[Delivery] = field(default_factory=list)
-    snapshots: Snapshots = field(default_factory=Snapshots)  # domain state for a successor
 
 
 class Ingestor:
@@ -168,6 +143,7 @@ class Ingestor:
         # Records and commands not yet written (Redis failed): they go with the next batch.
         self._unwritten = Commit()
         self._last_claim = 0.0
+        self._to_take: set[int] = set()  # acquired, not yet restored and claimed
         self._last_expire = time.monotonic()
         self._stopping = False
 
@@ -202,8 +178,8 @@ class Ingestor:
         while not self._stopping:
             try:
                 await self._ensure_groups()
+                await self._own()  # restore and claim first: pending entries need their state
                 await self._drain_own_pending()
-                await self._own()
                 self.metrics.redis_up.set(1)
                 self.last_ok = time.monotonic()
                 self.ready.set()
@@ -224,10 +200,26 @@ class Ingestor:
                 await asyncio.sleep(backoff)
                 backoff = min(5.0, backoff * 2)
 
+    def _lose(self, partitions: list[int]) -> None:
+        """Partitions no longer ours: their domains go, and so does whatever of theirs is
+        still waiting to be written (the new owner forecasts it again and writes it)."""
+        self.ownership.forget(partitions)
+        self._unwritten.drop(self.keys, set(partitions))
+
+    async def _keep_leases(self) -> None:
+        """Renew (a no-op between renewals); note what was lost and what is to be taken.
+        Called between the batches of long claims and drains too, so a big backlog cannot
+        outlast the leases it is processed under."""
+        change = await self.ownership.tick()
+        self._unwritten.drop(self.keys, set(change.lost))
+        self._to_take = (self._to_take | set(change.acquired)) - set(change.lost)
+
     async def _own(self) -> None:
         """Renew the partitions; restore and claim the ones just acquired."""
-        change = await self.ownership.tick()
-        for p in sorted(change.acquired):
+        await self._keep_leases()
+        while self._to_take:
+            p = min(self._to_take)
+            self._to_take.discard(p)
             restored = await self.ownership.restore(p)
             stream = self.keys.samples(p)
             await self._create_group(stream, self.group, "0")
@@ -318,6 +310,7 @@ class Ingestor:
                     break
                 self.metrics.claimed.inc(len(entries))
                 await self.process(stream, entries)
+                await self._keep_leases()
                 last = _s(entries[-1][0])
 
     async def _claim_stale(self) -> None:
@@ -342,6 +335,9 @@ class Ingestor:
                 claimed += len(entries)
                 self.metrics.claimed.inc(len(entries))
                 await self.process(stream, entries)
+                await self._keep_leases()
+                if not self.ownership.owns_stream(stream):
+                    return claimed  # lost meanwhile: the new owner claims the rest
             start = _s(nxt)
             if start == "0-0":
                 return claimed
@@ -353,7 +349,9 @@ class Ingestor:
         self.metrics.entries.labels(stream=stream).inc(len(entries))
         if stream == self.keys.events:
             group = self.events_group
-            decoded = decode_event_entries(stream, entries, self.keys, self.partitions)
+            decoded = decode_event_entries(
+                stream, entries, self.keys, self.partitions, max_skew_s=self.max_skew_s
+            )
             evaluated = self.evaluate_events(decoded)
         else:
             group = self.group
@@ -364,14 +362,16 @@ class Ingestor:
                 version,
                 max_skew_s=self.max_skew_s,
                 key_for_node=self.key_for_node,
+                keys=self.keys,
             )
             evaluated = await self.forecast_and_evaluate(stream, decoded)
-        if not self.ownership.owns_stream(stream):
-            # The lease lapsed while we forecast: act on nothing, acknowledge nothing; the new
-            # owner claims these entries and forecasts them from our last snapshots.
+        if not self.ownership.owns_stream(stream, for_s=self.ownership.commit_margin_s):
+            # The lease lapsed while we forecast, or may before the commit is done: act on
+            # nothing, acknowledge nothing; the new owner claims these entries and forecasts
+            # them from our last snapshots.
             p = self.ownership.partition_of_stream(stream)
             log.warning("lost partition %s mid-batch; its %d entries go on", p, len(entries))
-            self.ownership.forget([p] if p is not None else [])
+            self._lose([p] if p is not None else [])
             return
         batch = self.dispatch(evaluated)
         batch.snapshots = self.ownership.snapshots_for(

@@ -158,10 +158,11 @@ class PartitionLeases:
         assert self.renew_s is not None
         return self.ttl_s + self.renew_s
 
-    def owns(self, partition: int) -> bool:
-        """Whether this replica may process and commit ``partition`` now."""
+    def owns(self, partition: int, for_s: float = 0.0) -> bool:
+        """Whether this replica may process and commit ``partition`` now, and still will in
+        ``for_s`` seconds (a commit that may take that long must not outlive the lease)."""
         held = self._held.get(partition)
-        return held is not None and self.clock() < held.deadline
+        return held is not None and self.clock() + for_s < held.deadline
 
     def owned(self) -> frozenset[int]:
         now = self.clock()
@@ -227,8 +228,14 @@ class PartitionLeases:
             pipe.eval(RENEW, 1, lease_key(self.prefix, p), self.token, self.ttl_ms)
         for p in range(self.partitions):
             pipe.exists(lease_key(self.prefix, p))
-        replies: list[Any] = await pipe.execute()
-        self._live = max(1, int(replies[0]))
+        # Replies one by one: under maxmemory the heartbeat's ZADD is refused while the
+        # renewals (PEXPIRE) still work, and that must not cost the leases.
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        for reply in replies[1:]:
+            if isinstance(reply, Exception):
+                raise reply
+        if not isinstance(replies[0], Exception):
+            self._live = max(1, int(replies[0]))
         renewed = replies[1 : 1 + len(renewing)]
         taken = replies[1 + len(renewing) :]
         self._lapsed -= lapsed
@@ -321,7 +328,7 @@ class StaticPartitions:
     partitions: frozenset[int]
     _started: bool = field(default=False, init=False, repr=False)
 
-    def owns(self, partition: int) -> bool:
+    def owns(self, partition: int, for_s: float = 0.0) -> bool:
         return partition in self.partitions
 
     def owned(self) -> frozenset[int]:
@@ -340,7 +347,7 @@ class StaticPartitions:
 class PartitionOwner(Protocol):
     """What the ingest loop needs of either kind of ownership."""
 
-    def owns(self, partition: int) -> bool: ...
+    def owns(self, partition: int, for_s: float = 0.0) -> bool: ...
 
     def owned(self) -> frozenset[int]: ...
 

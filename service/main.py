@@ -90,8 +90,14 @@ def build_context(settings: Settings) -> ServiceContext:
         resync_after=settings.resync_after,
         attest_window_s=settings.attest_window_s,
     )
+    # With leases, no round trip may outlast the slack between a lease's local deadline
+    # and its expiry in Redis plus the commit margin (service/ownership.py): 0.4 x the TTL.
+    timeout_s = max(2.0, 0.4 * settings.lease_ttl_s) if settings.uses_leases() else 10.0
     client = aioredis.from_url(
-        settings.redis_url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=30
+        settings.redis_url,
+        socket_connect_timeout=2,
+        socket_timeout=timeout_s,
+        health_check_interval=30,
     )
     deliveries = build_deliveries(settings, keys, client, metrics)
     secret = settings.control_secret.get_secret_value() if settings.control_secret else None

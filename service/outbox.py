@@ -57,12 +57,14 @@ def _dumps(obj: Any) -> str:
 
 
 def delivery_id(record: Mapping[str, Any], target: str) -> str:
-    """The id of one alert's delivery to one target, the same however often it is computed:
-    the episode, the status, and the time the alert was decided (what tells apart two
-    notifications of one episode with one status), then the target."""
+    """The id of one alert's delivery to one target, the same however often, and on
+    whichever replica, it is computed: the episode (itself derived from the sample that
+    started it), the status, and the ts of the sample the alert was made from (what tells
+    apart two notifications of one episode with one status), then the target. Not the time
+    it was decided: a batch forecast again after a crash or a takeover decides it again."""
     episode = record.get("episode") or "none"
     try:
-        seq = round(float(record.get("sent_at") or 0.0) * 1000)
+        seq = round(float(record.get("observed_at") or 0.0) * 1000)
     except (TypeError, ValueError):
         seq = 0
     return f"{episode}.{record.get('status')}.{seq}.{target}"

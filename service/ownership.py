@@ -34,6 +34,7 @@ from oomcast.service.snapshot import SnapshotSchedule, SnapshotStore
 from oomcast.service.state import LiveState
 
 log = logging.getLogger("oomcast.service.ingest")
+COMMIT_MARGIN = 0.2  # of the lease TTL
 
 
 @dataclass
@@ -71,6 +72,10 @@ class Ownership:
         self.schedule = SnapshotSchedule(snapshot_every_s)
         self.snapshot_history = snapshot_history
         self.token: str | None = getattr(owner, "token", None)
+        # A batch is committed only while its lease has this long left: with the gap between
+        # the local deadline and the key's expiry (a fifth of the TTL too) it covers a round
+        # trip of up to OOMCAST_LEASE_TTL_S * 0.4, the Redis client's socket timeout.
+        self.commit_margin_s = COMMIT_MARGIN * float(getattr(owner, "ttl_s", 0.0))
         self.on_restore: Callable[[list[Alert]], None] | None = None
         self.on_forget: Callable[[set[Domain]], None] | None = None
         self._stream_partition = {keys.samples(p): p for p in range(keys.partitions)}
@@ -98,9 +103,9 @@ class Ownership:
     def partition_of_stream(self, stream: str) -> int | None:
         return self._stream_partition.get(stream)
 
-    def owns_stream(self, stream: str) -> bool:
+    def owns_stream(self, stream: str, for_s: float = 0.0) -> bool:
         p = self.partition_of_stream(stream)
-        return p is None or self.owner.owns(p)
+        return p is None or self.owner.owns(p, for_s)
 
     def domains_of(self, partitions: Iterable[int]) -> list[Domain]:
         wanted = set(partitions)

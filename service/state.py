@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from oomcast.model.forecast import Forecast, Forecaster, release_state
 from oomcast.model.schema import Domain, Event, Sample, SchemaError
+from oomcast.service.device_query import DeviceFilter, DevicePage, RankCache, query_devices
 from oomcast.service.rules import Alert, Episode, Rule, end_episode, evaluate, still_firing
 
 
@@ -118,6 +119,7 @@ class Applied:
 
 
 Embedding = list[float] | None
+RESYNC_SLACK_S = 5.0  # how far ahead of the service's clock a newest sample may honestly be
 
 
 class LiveState:
@@ -238,16 +240,22 @@ class LiveState:
     def _resync(self, st: DomainState, sample: Sample, now: float, result: Applied) -> bool:
         """A sample not after the domain's newest: a redelivery (skipped), or out of order
         (refused). True when it is the ``resync_after``-th in a row of samples in order among
-        themselves: then the newest was bogus (a forged or mis-stamped sample) or the node's
-        clock moved back, and the domain starts a new history from this sample rather than
-        stay blind until real time passes the bogus one."""
+        themselves while the newest lies in the future (past ``now`` + a few seconds): then
+        the newest was bogus (a forged or mis-stamped sample) or the node's clock moved back,
+        and the domain starts a new history from this sample rather than stay blind until
+        real time passes the bogus one. Old samples read again (a batch re-read after a
+        takeover, older than the snapshot's history) never reset a domain: its newest is
+        not in the future."""
         assert st.last is not None
         if _seen_before(st, sample):
             result.duplicates += 1  # at-least-once delivery sends some entries twice
             return False
-        st.behind = st.behind + 1 if st.behind and sample.ts > st.behind_ts else 1
+        if st.last.ts <= now + RESYNC_SLACK_S:
+            st.behind = 0
+        else:
+            st.behind = st.behind + 1 if st.behind and sample.ts > st.behind_ts else 1
         st.behind_ts = sample.ts
-        if st.behind >= self.resync_after:
+        if st.behind and st.behind >= self.resync_after:
             result.clock_resets += 1
             reason = (
                 f"{st.behind} samples in a row came before the newest one ({st.last.ts});"
@@ -386,6 +394,22 @@ class LiveState:
             )
 
         return sorted(self.live(now, live_after_s), key=key)
+
+    def query(self, now: float, live_after_s: float, where: DeviceFilter, limit: int) -> DevicePage:
+        """One page of the live domains that pass ``where``, in ``ranked``'s order (ties
+        broken by name), without sorting them all: ``service/device_query.py``."""
+        cache = self.__dict__.get("_rank_cache")
+        if cache is None:
+            cache = self.__dict__["_rank_cache"] = RankCache()
+        return query_devices(
+            self.domains.values(),
+            horizon_s=self.horizon_s,
+            now=now,
+            live_after_s=live_after_s,
+            where=where,
+            limit=limit,
+            cache=cache,
+        )
 
     # -- hand-over between replicas (service/snapshot.py holds the format) ---------------
     def snapshot(self, domain: Domain, *, history_points: int | None = None) -> bytes:

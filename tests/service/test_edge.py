@@ -407,3 +407,17 @@ def test_redis_refusing_writes_is_a_503_that_keeps_nothing(
         assert wait_until(lambda: c.get("/readyz").status_code == 200)
         assert c.post("/v1/samples", json=two_nodes, headers=AUTH).status_code == 202
         assert stored() == 2  # one entry per node: this request's, and nothing of the first
+
+
+def test_the_token_is_checked_before_the_body_behind_a_root_path(
+    redis_url: str, key_prefix: str
+) -> None:
+    """Behind a proxy that sets root_path the scope's path carries the prefix; the API
+    below it is still guarded before any byte of the body is read."""
+    app = create_app(settings(redis_url, key_prefix))
+    with TestClient(app, root_path="/oomcast") as c:
+        resp = c.post("/oomcast/v1/samples", content=b"{" * 100)
+        assert resp.status_code == 401
+        # the edge's refusal (it closes the connection rather than read the body), not the
+        # route's own check after the body was parsed
+        assert resp.headers.get("connection") == "close"

@@ -20,6 +20,7 @@ from oomcast.service.rules import Rule
 from oomcast.service.state import LiveState
 
 NOW = 1_800_000_000.0
+NOW_MS = int(NOW * 1000) + 500  # the service reads half a second after the entries arrive
 STREAM = "t:samples:{0}"
 
 
@@ -36,14 +37,14 @@ def raw(ts: float, frac: float = 0.5, **kw: Any) -> dict[str, Any]:
 
 def test_a_sample_far_from_its_arrival_is_dead_lettered_with_its_reason() -> None:
     entries = [entry([raw(NOW), raw(1e300), raw(NOW - 3600), raw(NOW + 299)])]
-    out = decode_sample_entries(STREAM, entries, None, max_skew_s=300)
+    out = decode_sample_entries(STREAM, entries, None, max_skew_s=300, now_ms=NOW_MS)
     assert [s.ts for s in out.samples] == [NOW, NOW + 299]
     assert [dl["code"] for dl in out.deadletters] == ["ts_skew", "ts_skew"]
     assert "ahead of" in str(out.deadletters[0]["reason"])
     assert "behind" in str(out.deadletters[1]["reason"])
     assert json.loads(out.deadletters[0]["sample"])["ts"] == 1e300  # kept as it came
     # 0 turns the bound off (old traces replayed with their own stamps)
-    assert len(decode_sample_entries(STREAM, entries, None).samples) == 4
+    assert len(decode_sample_entries(STREAM, entries, None, now_ms=NOW_MS).samples) == 4
 
 
 @pytest.mark.parametrize(
@@ -58,7 +59,9 @@ def test_a_sample_far_from_its_arrival_is_dead_lettered_with_its_reason() -> Non
 def test_names_too_long_or_with_control_characters_are_refused(field: str, value: str) -> None:
     bad = raw(NOW + 1)
     bad[field] = value
-    out = decode_sample_entries(STREAM, [entry([raw(NOW), bad])], None, max_skew_s=300)
+    out = decode_sample_entries(
+        STREAM, [entry([raw(NOW), bad])], None, max_skew_s=300, now_ms=NOW_MS
+    )
     assert len(out.samples) == 1  # its neighbour in the entry is kept
     assert [dl["code"] for dl in out.deadletters] == ["schema"]
     assert field in str(out.deadletters[0]["reason"])
@@ -73,7 +76,9 @@ def test_non_finite_numbers_are_refused(text: str) -> None:
     obj.pop(key)
     body = json.dumps([obj])[:-2] + ", " + text + "}]"
     fields = {"v": "1", "node": "n1", "n": "1", "samples": body}
-    out = decode_sample_entries(STREAM, [(f"{int(NOW * 1000)}-0", fields)], None, max_skew_s=300)
+    out = decode_sample_entries(
+        STREAM, [(f"{int(NOW * 1000)}-0", fields)], None, max_skew_s=300, now_ms=NOW_MS
+    )
     assert out.samples == []
     assert [dl["code"] for dl in out.deadletters] == ["schema"]
     assert key in str(out.deadletters[0]["reason"])
@@ -129,7 +134,7 @@ def test_the_signature_must_be_the_samples_own_node() -> None:
     unsigned = entry([raw(NOW)])
     keys = node_keys(master)
     flags = [
-        decode_sample_entries(STREAM, [e], None, key_for_node=keys).attested
+        decode_sample_entries(STREAM, [e], None, key_for_node=keys, now_ms=NOW_MS).attested
         for e in (good, forged, other, unsigned)
     ]
     assert flags == [[True], [False], [False], [False]]
@@ -172,3 +177,68 @@ def test_http_samples_far_from_the_clock_are_refused_whole(redis_url: str, key_p
         assert detail["loc"] == ["body", "samples", 2, "ts"]
         assert "OOMCAST_MAX_TS_SKEW_S" in detail["msg"]
         assert c.post("/v1/samples", json={"samples": [raw(now)]}).status_code == 202
+
+
+def test_an_entry_id_in_the_future_does_not_make_later_entries_look_skewed() -> None:
+    """A writer may choose an entry id; Redis then stamps every later entry after it. The
+    arrival of an entry is never later than the service's own clock."""
+    future_id = f"{int((NOW + 10**6) * 1000)}-0"
+    entries = [
+        (future_id, encode_samples("n1", [raw(NOW)])),
+        (f"{int((NOW + 10**6) * 1000)}-1", encode_samples("n1", [raw(NOW + 1)])),
+    ]
+    out = decode_sample_entries(STREAM, entries, None, max_skew_s=300, now_ms=NOW_MS)
+    assert [s.ts for s in out.samples] == [NOW, NOW + 1]
+    assert out.arrived_ms == [NOW_MS, NOW_MS]
+
+
+def test_a_sample_in_another_partitions_stream_is_dead_lettered() -> None:
+    keys = Keys("t", 4)
+    home = keys.partition_of("n1")
+    wrong = keys.samples((home + 1) % 4)
+    out = decode_sample_entries(wrong, [entry([raw(NOW)])], None, keys=keys, now_ms=NOW_MS)
+    assert out.samples == [] and [dl["code"] for dl in out.deadletters] == ["wrong_partition"]
+    right = decode_sample_entries(keys.samples(home), [entry([raw(NOW)])], None, keys=keys)
+    assert len(right.samples) == 1
+
+
+def test_an_oversized_entry_is_dead_lettered_unparsed_and_kept_truncated() -> None:
+    from oomcast.service.decode import MAX_ENTRY_BYTES, MAX_KEPT_BYTES
+
+    fields = {"v": "1", "node": "n1", "n": "1", "samples": "[" + " " * MAX_ENTRY_BYTES + "]"}
+    out = decode_sample_entries(STREAM, [(f"{int(NOW * 1000)}-0", fields)], None, now_ms=NOW_MS)
+    (dl,) = out.deadletters
+    assert dl["code"] == "undecodable" and "limit" in str(dl["reason"])
+    assert len(dl["orig.samples"]) == MAX_KEPT_BYTES
+    assert dl["orig.samples.truncated_from"] == str(MAX_ENTRY_BYTES + 2)
+
+
+def test_an_event_far_from_its_arrival_is_dead_lettered() -> None:
+    from oomcast.model.schema import Event
+    from oomcast.model.wire import encode_event
+    from oomcast.service.decode import decode_event_entries
+
+    keys = Keys("t", 1)
+    forged = encode_event(Event(ts=1e300, node="n1", device="gpu0", event="oom"))
+    real = encode_event(Event(ts=NOW, node="n1", device="gpu0", event="oom"))
+    eid = f"{int(NOW * 1000)}-0"
+    out = decode_event_entries(
+        keys.events, [(eid, forged), (eid, real)], keys, [0], max_skew_s=300, now_ms=NOW_MS
+    )
+    assert [e.ts for e, _ in out.events] == [NOW]
+    assert [dl["code"] for dl in out.deadletters] == ["ts_skew"]
+
+
+def test_old_samples_read_again_never_reset_a_domain() -> None:
+    """After a takeover the new owner re-reads a batch older than the history its snapshot
+    kept: those samples are refused as out of order, and the domain keeps its state."""
+    state = live(resync_after=3)
+    for i in range(5):
+        state.apply([sample(NOW + i, 0.5)], NOW + 5)
+    resets = 0
+    for i in range(5):  # the same five again, as if the snapshot kept none of them
+        st = state.domains[("n1", "gpu0")]
+        st.history.clear()
+        resets += state.apply([sample(NOW + i, 0.5)], NOW + 6).clock_resets
+    assert resets == 0
+    assert state.domains[("n1", "gpu0")].samples_seen == 5

@@ -95,12 +95,23 @@ def test_retries_server_errors_408_and_429_then_succeeds(
     assert len({r["headers"][DELIVERY_HEADER] for r in webhook_receiver.requests}) == 1
 
 
-def test_client_errors_are_not_retried(
+def test_a_body_the_receiver_calls_wrong_is_refused_not_retried(
     redis_url: str, key_prefix: str, webhook_receiver: WebhookReceiver
 ) -> None:
-    webhook_receiver.statuses = [404]
+    webhook_receiver.statuses = [422]
     assert _send(redis_url, key_prefix, webhook_receiver, [alert()]) == ["refused"]
     assert len(webhook_receiver.requests) == 1
+
+
+def test_other_client_errors_and_redirects_are_retried_until_delivered(
+    redis_url: str, key_prefix: str, webhook_receiver: WebhookReceiver
+) -> None:
+    """A 404 from an ingress mid-deploy, a 401 while a credential rotates, a redirect: the
+    alert stays owed and is tried again."""
+    webhook_receiver.statuses = [404, 401, 301]
+    results = _send(redis_url, key_prefix, webhook_receiver, [alert()])
+    assert results.count("retry") == 3 and results[-1] == "delivered"
+    assert [r["status"] for r in webhook_receiver.requests] == [404, 401, 301, 200]
 
 
 def test_a_domains_alerts_arrive_in_order_despite_retries(

@@ -1,28 +1,123 @@
 from __future__ import annotations
 
+import json
 import time
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
 
-from oomcast.service.api.deps import Authorized, Ctx
-from oomcast.service.api.responses import V1, responses
+from oomcast.model.schema import MAX_NAME_CHARS
+from oomcast.service.api.deps import Authorized, Ctx, unprocessable
+from oomcast.service.api.responses import V1, Responses, responses
+from oomcast.service.device_query import CURSOR_PATTERN, BadCursor, DeviceFilter, decode_cursor
 
 router = APIRouter(tags=["devices"], dependencies=[Authorized])
 # These handlers are async on purpose: they then run on the event loop, between ingest
 # batches, and never see the live state while the ingest loop is changing it.
 
 
-@router.get("/devices", responses=responses(*V1, 422))
-async def list_devices(ctx: Ctx, limit: int = Query(1000, ge=1, le=100_000)) -> dict[str, Any]:
-    """Every live memory domain with its latest forecast, riskiest first."""
+class RuleState(BaseModel):
+    firing: bool
+    episode: str | None
+    suppressed: bool
+
+
+class AlertState(BaseModel):
+    firing: bool = Field(..., description="any rule's episode is firing on the domain")
+    episode: str | None = Field(..., description="the earliest firing episode's id")
+    fired_at: float | None
+    rules: dict[str, RuleState] = Field(..., description="per rule name")
+
+
+class DeviceSummary(BaseModel):
+    node: str
+    device: str
+    kind: str
+    job: str | None
+    used_bytes: int
+    total_bytes: int
+    used_frac: float
+    observed_at: float = Field(..., description="ts of the latest sample")
+    risk: dict[str, float] = Field(..., description="horizon in seconds -> risk of OOM")
+    alert_risk: float = Field(..., description="risk at alert_horizon_s: the sort key")
+    time_to_oom_s: float | None
+    model_version: str
+    alert: AlertState
+    samples_seen: int
+    ooms_seen: int
+    last_oom_ts: float | None
+
+
+class DevicesPage(BaseModel):
+    """One page of live domains, riskiest first."""
+
+    alert_horizon_s: int
+    total: int = Field(..., description="every live domain, before filters")
+    matched: int = Field(..., description="live domains that pass the filters")
+    count: int = Field(..., description="the same as matched (kept for older clients)")
+    next: str | None = Field(
+        ..., description="pass as `cursor` for the next page; null on the last one"
+    )
+    devices: list[DeviceSummary]
+
+
+_PAGE: Responses = {200: {"model": DevicesPage, "description": "One page, riskiest first."}}
+
+
+@router.get("/devices", response_class=JSONResponse, responses={**_PAGE, **responses(*V1, 422)})
+async def list_devices(
+    ctx: Ctx,
+    limit: Annotated[int, Query(ge=1, le=1000, description="domains per page")] = 100,
+    cursor: Annotated[
+        str | None,
+        Query(
+            max_length=8192,
+            pattern=CURSOR_PATTERN,
+            description="the `next` of the previous page, to read the page after it",
+        ),
+    ] = None,
+    node: Annotated[
+        str | None, Query(max_length=MAX_NAME_CHARS, description="node name, or a glob: `gpu-a*`")
+    ] = None,
+    job: Annotated[
+        str | None,
+        Query(
+            max_length=MAX_NAME_CHARS,
+            description="glob on the job (domains without one never match)",
+        ),
+    ] = None,
+    kind: Annotated[Literal["gpu", "host"] | None, Query()] = None,
+    min_risk: Annotated[
+        float | None,
+        Query(ge=0.0, le=1.0, description="at least this risk at the alert horizon"),
+    ] = None,
+    firing: Annotated[bool | None, Query(description="only domains firing (or not)")] = None,
+) -> Response:
+    """Live memory domains with their latest forecast, riskiest first, a page at a time.
+
+    Sorted by risk at the alert horizon, then risk at any horizon, then use, then name.
+    Follow ``next`` (as ``cursor``) with the same filters to walk every match once."""
+    try:
+        after = None if cursor is None else decode_cursor(cursor)
+    except BadCursor as exc:
+        raise unprocessable(["query", "cursor"], str(exc)) from None
+    where = DeviceFilter(
+        node=node, job=job, kind=kind, min_risk=min_risk, firing=firing, after=after
+    )
     horizon = ctx.live.horizon_s
-    states = ctx.live.ranked(time.time(), ctx.settings.live_after_s)
-    return {
+    page = ctx.live.query(time.time(), ctx.settings.live_after_s, where, limit)
+    body = {
         "alert_horizon_s": horizon,
-        "count": len(states),
-        "devices": [st.summary(horizon) for st in states[:limit]],
+        "total": page.total,
+        "matched": page.matched,
+        "count": page.matched,
+        "next": page.next_cursor,
+        "devices": [st.summary(horizon) for st in page.page],
     }
+    # Serialised here, not by FastAPI's encoder, which walks every value of every summary.
+    return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")
 
 
 @router.get("/devices/{node}/{device:path}", responses=responses(*V1, 404, 422))

@@ -20,6 +20,15 @@ The peak is reset after each read (v1: write 0 to ``memory.max_usage_in_bytes``;
 use since the previous read. Where the kernel cannot reset the v2 peak, or the reader may not
 write (a read-only mount, as the node agent has), ``peak_bytes`` is left out rather than
 reporting a peak since creation.
+
+A :class:`MemoryCgroup` keeps each file it reads open and reads it again from offset 0
+(``pread``) at the next read: the kernel renders a cgroup file afresh for each read from the
+start, and an open, read and close per file per tick was most of what the node agent spent.
+A cgroup removed and created again under the same name is a different directory: its old
+descriptors fail (``ENODEV`` on a real cgroupfs) or, in a fixture tree of plain files, keep
+showing the removed files, so each read first checks that the directory is still the one the
+descriptors came from (one ``stat``) and opens the files again when it is not, or when a
+read fails as a stale descriptor does. :meth:`MemoryCgroup.close` closes them all.
 """
 
 from __future__ import annotations
@@ -41,6 +50,10 @@ V2_MOUNTS = (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
 V1_UNLIMITED = 1 << 62  # v1 reports "no limit" as PAGE_COUNTER_MAX pages, ~9.2e18 bytes
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+# a v2 memory.stat is 1-3 KB; a read that fills this is followed by more reads
+_READ_SIZE = 16384
+# what a descriptor of a removed (or replaced) cgroup file answers
+_STALE_ERRNOS = frozenset({errno.ENODEV, errno.ENOENT, errno.EBADF, errno.ESTALE})
 
 
 class CgroupUnavailable(RuntimeError):
@@ -79,16 +92,25 @@ def parse_flat_keyed(text: str) -> dict[str, int]:
     return out
 
 
+def flat_value(text: str, key: str) -> int | None:
+    """The value of the ``key value`` line for ``key`` in a flat-keyed file, or None; finds
+    the one line it needs instead of parsing all (a v2 memory.stat has some 60)."""
+    if text.startswith(key + " "):
+        start = len(key) + 1
+    else:
+        at = text.find("\n" + key + " ")
+        if at < 0:
+            return None
+        start = at + len(key) + 2
+    end = text.find("\n", start)
+    try:
+        return int(text[start:end] if end >= 0 else text[start:])
+    except ValueError:
+        return None
+
+
 def _read_text(path: Path) -> str:
     return path.read_text(encoding="ascii")
-
-
-def _read_int(path: Path) -> int:
-    text = _read_text(path).strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise CgroupError(f"{path}: expected a number, got {text[:40]!r}") from None
 
 
 def detect_version(root: Path | str) -> int:
@@ -183,6 +205,7 @@ class Reading:
     peak_bytes: int | None
     retries: int | None
     oom_kills: int | None  # None: this kernel keeps no OOM-kill counter (v1 before 4.13)
+    pressure: Pressure | None = None  # read(with_pressure=True) on v2 with PSI only
 
     def sample(self, ts: float, node: str, device: str, job: str | None) -> Sample:
         """This read as a trace sample: the limit is the capacity (it must have one)."""
@@ -213,6 +236,12 @@ class MemoryCgroup:
         if self.version not in (1, 2):
             raise ValueError(f"cgroup version must be 1 or 2, got {self.version}")
         self._peak_fd: int | None = None
+        self._dir = str(self.path)  # what each read stats, converted once
+        self._fds: dict[str, int] = {}  # file name -> descriptor kept open between reads
+        self._dir_id: tuple[int, int] | None = None  # (st_dev, st_ino) they were opened in
+        self._has_peak: bool | None = None  # v2 memory.peak exists (kernel 5.19+)
+        # PSI averages move every 2 s: the same text as last time is the same Pressure
+        self._psi: tuple[str, Pressure] | None = None
         # v1 resets the peak for every reader of the cgroup (cAdvisor's max_usage too); a
         # reader that must not disturb others (the node agent) passes shared_reset=False and
         # gets no v1 peak. The v2 reset is private to the descriptor, so it is always fine.
@@ -310,18 +339,87 @@ class MemoryCgroup:
                 time.sleep(0.05)
 
     def close(self) -> None:
+        """Close every descriptor this cgroup holds; a later read opens them again."""
+        fds = list(self._fds.values())
+        self._fds.clear()
         if self._peak_fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._peak_fd)
+            fds.append(self._peak_fd)
             self._peak_fd = None
+        self._dir_id = None
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def __del__(self) -> None:
+        # a safety net for a cgroup dropped without close() (a one-off read); the owners
+        # that keep one for a while (the cgroup source, the recorder) close it themselves
+        with contextlib.suppress(Exception):
+            self.close()
+
+    @property
+    def open_files(self) -> int:
+        """How many descriptors this cgroup holds open now (for tests and /metrics)."""
+        return len(self._fds) + (self._peak_fd is not None)
+
+    # --- kept-open files -------------------------------------------------------------------
+
+    def _revalidate(self) -> None:
+        """Forget the descriptors if the directory is not the one they were opened in (the
+        cgroup was removed and created again); FileNotFoundError when it is gone."""
+        st = os.stat(self._dir)
+        ident = (st.st_dev, st.st_ino)
+        if self._dir_id != ident:
+            if self._dir_id is not None:
+                self.close()
+            self._dir_id = ident
+
+    def _open(self, name: str) -> int:
+        fd = os.open(self.path / name, os.O_RDONLY)
+        self._fds[name] = fd
+        return fd
+
+    def _drop(self, name: str) -> None:
+        fd = self._fds.pop(name, None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _text(self, name: str) -> str:
+        """The whole of ``name``, read from its kept-open descriptor (opened on first use,
+        and once more when the descriptor has gone stale)."""
+        fd = self._fds.get(name)
+        if fd is None:
+            fd = self._open(name)
+        try:
+            data = _pread_all(fd)
+        except OSError as exc:
+            self._drop(name)
+            if exc.errno not in _STALE_ERRNOS:
+                raise OSError(exc.errno, f"cannot read {self.path / name}: {exc.strerror}") from exc
+            data = _pread_all(self._open(name))
+        try:
+            return data.decode("ascii")
+        except UnicodeDecodeError:
+            raise CgroupError(f"{self.path / name}: not ASCII: {data[:40]!r}") from None
+
+    def _int(self, name: str) -> int:
+        text = self._text(name).strip()
+        try:
+            return int(text)
+        except ValueError:
+            raise CgroupError(f"{self.path / name}: expected a number, got {text[:40]!r}") from None
 
     # --- reading ---------------------------------------------------------------------------
 
     def limit(self) -> int | None:
+        self._revalidate()
+        return self._limit()
+
+    def _limit(self) -> int | None:
         if self.version == 1:
-            value = _read_int(self.path / "memory.limit_in_bytes")
+            value = self._int("memory.limit_in_bytes")
             return None if value >= V1_UNLIMITED else value
-        text = _read_text(self.path / "memory.max").strip()
+        text = self._text("memory.max").strip()
         if text == "max":
             return None
         try:
@@ -330,37 +428,44 @@ class MemoryCgroup:
             raise CgroupError(f"{self.path / 'memory.max'}: unexpected {text[:40]!r}") from None
 
     def oom_kills(self) -> int:
+        self._revalidate()
+        return self._oom_kills()
+
+    def _oom_kills(self) -> int:
         if self.version == 1:
-            fields = parse_flat_keyed(_read_text(self.path / "memory.oom_control"))
-            if "oom_kill" not in fields:
+            kills = flat_value(self._text("memory.oom_control"), "oom_kill")
+            if kills is None:
                 raise CgroupError(
                     f"{self.path / 'memory.oom_control'} has no oom_kill counter (kernel < 4.13?)"
                 )
-        else:
-            fields = parse_flat_keyed(_read_text(self.path / "memory.events"))
-        return fields.get("oom_kill", 0)
+            return kills
+        return flat_value(self._text("memory.events"), "oom_kill") or 0
 
-    def read(self, reset_peak: bool = True) -> Reading:
-        """Read everything once; the OOM counter is read last (see the module docstring)."""
+    def read(self, reset_peak: bool = True, *, with_pressure: bool = False) -> Reading:
+        """Read everything once, the OOM counter last; ``with_pressure`` adds the PSI (v2)
+        as :meth:`pressure` reads it, without a second check of the directory."""
+        self._revalidate()
+        limit = self._limit()
+        kills: int | None
         if self.version == 1:
-            limit = self.limit()
-            usage = _read_int(self.path / "memory.usage_in_bytes")
-            stat = parse_flat_keyed(_read_text(self.path / "memory.stat"))
-            anon = stat.get("total_rss", stat.get("rss"))
+            usage = self._int("memory.usage_in_bytes")
+            stat = self._text("memory.stat")
+            anon = flat_value(stat, "total_rss")
+            if anon is None:
+                anon = flat_value(stat, "rss")
             peak = self._read_v1_peak(reset_peak)
-            retries: int | None = _read_int(self.path / "memory.failcnt")
+            retries: int | None = self._int("memory.failcnt")
+            try:
+                kills = self._oom_kills()
+            except CgroupError:  # v1 without the counter: sample anyway, no OOM events
+                kills = None
         else:
-            limit = self.limit()
-            usage = _read_int(self.path / "memory.current")
-            stat = parse_flat_keyed(_read_text(self.path / "memory.stat"))
-            anon = stat.get("anon")
+            usage = self._int("memory.current")
+            anon = flat_value(self._text("memory.stat"), "anon")
             peak = self._read_v2_peak(reset_peak)
-            events = parse_flat_keyed(_read_text(self.path / "memory.events"))
-            retries = events.get("max")
-        try:
-            kills: int | None = self.oom_kills()
-        except CgroupError:  # v1 without the counter: sample anyway, no OOM events
-            kills = None
+            events = self._text("memory.events")  # last: it holds the kills
+            retries = flat_value(events, "max")
+            kills = flat_value(events, "oom_kill") or 0
         return Reading(
             limit_bytes=limit,
             usage_bytes=usage,
@@ -368,27 +473,40 @@ class MemoryCgroup:
             peak_bytes=peak,
             retries=retries,
             oom_kills=kills,
+            pressure=self._pressure() if with_pressure else None,
         )
 
     def pressure(self) -> Pressure | None:
         """Memory PSI of this cgroup (v2 ``memory.pressure``); None where there is none (v1,
         or a kernel built without PSI)."""
+        try:
+            self._revalidate()
+        except OSError:  # the cgroup is gone
+            return None
+        return self._pressure()
+
+    def _pressure(self) -> Pressure | None:
         if self.version != 2:
             return None
         try:
-            return parse_pressure(_read_text(self.path / "memory.pressure"))
-        except (FileNotFoundError, OSError):  # no PSI (psi=0 on the kernel command line)
+            text = self._text("memory.pressure")
+        except OSError:  # no PSI (psi=0 on the kernel command line)
             return None
+        if self._psi is not None and self._psi[0] == text:
+            return self._psi[1]
+        pressure = parse_pressure(text)
+        self._psi = (text, pressure)
+        return pressure
 
     def _read_v1_peak(self, reset: bool) -> int | None:
-        path = self.path / "memory.max_usage_in_bytes"
+        name = "memory.max_usage_in_bytes"
         if not reset:
-            return _read_int(path)
+            return self._int(name)
         if not self._peak_resettable:
             return None
-        value = _read_int(path)
+        value = self._int(name)
         try:
-            path.write_text("0")
+            (self.path / name).write_text("0")
         except OSError:
             # a read-only mount (the node agent's): the figure would be the peak since the
             # cgroup was created, which is not what peak_bytes means
@@ -398,12 +516,12 @@ class MemoryCgroup:
 
     def _read_v2_peak(self, reset: bool) -> int | None:
         path = self.path / "memory.peak"
-        if not path.exists():
+        if self._has_peak is None:
+            self._has_peak = path.exists()
+        if not self._has_peak or (reset and not self._peak_resettable):
             return None
         if not reset:
-            return _read_int(path)
-        if not self._peak_resettable:
-            return None
+            return self._int("memory.peak")
         # The v2 reset is per open file: reads through the descriptor that wrote see the
         # peak since that write, so keep one descriptor for the whole run.
         if self._peak_fd is None:
@@ -426,6 +544,22 @@ class MemoryCgroup:
             self._peak_resettable = False
             return None
         return value
+
+
+def _pread_all(fd: int) -> bytes:
+    """The whole file behind ``fd`` from offset 0. A read shorter than asked for is the end
+    (cgroupfs renders a file in one piece, and a regular file returns what it has)."""
+    data = os.pread(fd, _READ_SIZE, 0)
+    if len(data) < _READ_SIZE:
+        return data
+    chunks = [data]
+    offset = len(data)
+    while True:
+        more = os.pread(fd, _READ_SIZE, offset)
+        if not more:
+            return b"".join(chunks)
+        chunks.append(more)
+        offset += len(more)
 
 
 def _enable_v2_memory(root: Path) -> None:

@@ -126,6 +126,31 @@ class NvmlStats:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class _Errors:
+    """Exception classes of one binding (an old binding lacks some)."""
+
+    any_call: tuple[type[BaseException], ...]  # what a query may raise: NVMLError, mismatch
+    no_v2_memory: tuple[type[BaseException], ...]  # the driver has no v2 memory query
+    mismatch: tuple[type[BaseException], ...]  # NVMLLibraryMismatchError, where it exists
+
+    @classmethod
+    def of(cls, m: Any) -> _Errors:
+        def present(*names: str) -> tuple[type[BaseException], ...]:
+            return tuple(c for c in (getattr(m, n, None) for n in names) if c is not None)
+
+        mismatch = present("NVMLLibraryMismatchError")
+        return cls(
+            any_call=(m.NVMLError, *mismatch),
+            no_v2_memory=present(
+                "NVMLError_NotSupported",
+                "NVMLError_FunctionNotFound",
+                "NVMLError_ArgumentVersionMismatch",
+            ),
+            mismatch=mismatch,
+        )
+
+
 def _error_name(exc: BaseException) -> str:
     return type(exc).__name__.removeprefix("NVMLError_")
 
@@ -147,6 +172,7 @@ class Nvml:
         self.last_error: NvmlFailure | None = None
         self._v2_memory = True  # until the driver or the binding says otherwise
         self._processes_fn = "nvmlDeviceGetComputeRunningProcesses"
+        self._errors: _Errors | None = None  # the binding's exception classes, looked up once
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -223,6 +249,14 @@ class Nvml:
 
     # -- the calling convention ------------------------------------------------------------
 
+    @property
+    def _err(self) -> _Errors:
+        """The exception classes the calls catch, looked up on the binding once rather than
+        at every query (the agent makes two or three per GPU per tick)."""
+        if self._errors is None:
+            self._errors = _Errors.of(self.module)
+        return self._errors
+
     def _account(self, function: str, start: float) -> None:
         self.stats.calls += 1
         self.stats.calls_by_function[function] += 1
@@ -246,14 +280,9 @@ class Nvml:
 
     def _call(self, function: str, *args: Any, **kwargs: Any) -> Any | None:
         """Call ``function``; an NVML error becomes ``None``, counted in ``stats``."""
-        m = self.module
-        mismatch = getattr(m, "NVMLLibraryMismatchError", None)
-        caught: tuple[type[BaseException], ...] = (m.NVMLError,)
-        if mismatch is not None:
-            caught = (m.NVMLError, mismatch)
         try:
             return self._raw(function, *args, **kwargs)
-        except caught as exc:
+        except self._err.any_call as exc:
             self._on_error(function, exc)
             return None
 
@@ -290,15 +319,7 @@ class Nvml:
         fn = "nvmlDeviceGetMemoryInfo"
         if self._v2_memory:
             m = self.module
-            fallback = tuple(
-                cls
-                for cls in (
-                    getattr(m, "NVMLError_NotSupported", None),
-                    getattr(m, "NVMLError_FunctionNotFound", None),
-                    getattr(m, "NVMLError_ArgumentVersionMismatch", None),
-                )
-                if cls is not None
-            )
+            fallback = self._err.no_v2_memory
             try:
                 mem = self._raw(fn, handle, version=m.nvmlMemory_v2)
             except AttributeError:  # a binding without nvmlMemory_v2
@@ -330,9 +351,7 @@ class Nvml:
     def compute_processes(self, handle: Any) -> list[ProcessMemory] | None:
         """Compute processes on one GPU with their memory, or ``None`` if NVML cannot say."""
         m = self.module
-        mismatch = tuple(
-            c for c in (getattr(m, "NVMLLibraryMismatchError", None),) if c is not None
-        )
+        mismatch = self._err.mismatch
         try:
             procs = self._raw(self._processes_fn, handle)
         except m.NVMLError as exc:

@@ -26,6 +26,10 @@ explains is given to the domain that vanished. On v1 such a kill is lost with th
 The agent never writes to the cgroups it watches: a v1 peak reset would also reset what
 cAdvisor and others read, so v1 samples carry no ``peak_bytes`` (v2 resets are private to the
 reader's descriptor and are used).
+
+Each watched cgroup keeps its files open between reads (see ``collectors/cgroupfs.py``), as
+does each parent whose counter witnesses vanished domains; they are closed when the domain
+leaves and on :meth:`CgroupSource.close`.
 """
 
 from __future__ import annotations
@@ -43,7 +47,6 @@ from oomcast.collectors.cgroupfs import (
     MemoryCgroup,
     Pressure,
     detect_version,
-    parse_flat_keyed,
 )
 from oomcast.collectors.jobnames import job_name, parse_cgroup_path
 from oomcast.model.schema import Event, Record
@@ -103,6 +106,7 @@ class CgroupSource:
         # fails here, at start-up, with a clear reason when the root is not a memory cgroup
         self.version = detect_version(self.root)
         self._domains: dict[str, _Domain] = {}
+        self._witnesses: dict[Path, MemoryCgroup] = {}  # parents read for vanished kills
         self._next_sample = 0.0
         self._next_scan = 0.0
         self._no_counter_warned = False
@@ -142,6 +146,13 @@ class CgroupSource:
     def _cgroup(self, path: Path) -> MemoryCgroup:
         return MemoryCgroup(path, self.version, shared_reset=False)
 
+    def _limited_path(self, path: Path) -> bool:
+        probe = self._cgroup(path)
+        try:
+            return self._limited(probe)
+        finally:
+            probe.close()
+
     def _limited(self, cg: MemoryCgroup) -> bool:
         try:
             limit = cg.limit()
@@ -158,10 +169,19 @@ class CgroupSource:
     def _witness_counter(self, path: Path | None) -> int | None:
         if path is None:
             return None
+        cg = self._witnesses.get(path)
+        if cg is None:
+            cg = self._witnesses[path] = self._cgroup(path)
         try:
-            return parse_flat_keyed((path / "memory.events").read_text()).get("oom_kill", 0)
-        except OSError:
+            return cg.oom_kills()
+        except (OSError, CgroupError):
             return None
+
+    def _drop(self, dom: _Domain) -> None:
+        """Close what a domain that left holds open."""
+        dom.cgroup.close()
+        for m in dom.members:
+            m.close()
 
     def scan(self) -> list[str]:
         """Find the domains now under the root; returns their device names."""
@@ -170,7 +190,7 @@ class CgroupSource:
         limited: dict[Path, bool] = {}
         found: dict[str, tuple[Path, list[Path]]] = {}  # rel -> (domain path, process cgroups)
         for path in self._walk():
-            limited[path] = path != root and self._limited(self._cgroup(path))
+            limited[path] = path != root and self._limited_path(path)
             if not self._has_procs(path):
                 continue
             owner = path
@@ -183,11 +203,11 @@ class CgroupSource:
                 found.setdefault(rel, (owner, []))[1].append(path)
         for rel in list(self._domains):
             if rel not in found:
-                self._domains.pop(rel).cgroup.close()
+                self._drop(self._domains.pop(rel))
         for rel, (path, procs) in found.items():
             dom = self._domains.get(rel)
             if self.version == 1:
-                members = [self._cgroup(p) for p in dict.fromkeys([path, *procs])]
+                members = self._v1_members(dom, [path, *procs])
                 if dom is not None:  # new process cgroups join at their current count
                     dom.members = members
                     dom.kills = self._v1_kills(members)
@@ -219,7 +239,19 @@ class CgroupSource:
                 witness,
                 self._witness_counter(witness),
             )
+        needed = {d.witness for d in self._domains.values()}
+        for p in [p for p in self._witnesses if p not in needed]:
+            self._witnesses.pop(p).close()
         return sorted(d.device for d in self._domains.values())
+
+    def _v1_members(self, dom: _Domain | None, paths: list[Path]) -> list[MemoryCgroup]:
+        """The cgroups whose processes a v1 domain watches, keeping the ones (and their open
+        files) it already had."""
+        kept = {m.path: m for m in dom.members} if dom is not None else {}
+        members = [kept.pop(p) if p in kept else self._cgroup(p) for p in dict.fromkeys(paths)]
+        for m in kept.values():
+            m.close()
+        return members
 
     def _v1_kills(self, members: list[MemoryCgroup]) -> int | None:
         total, any_counter = 0, False
@@ -245,12 +277,12 @@ class CgroupSource:
         gone: list[_Domain] = []
         for rel, dom in list(self._domains.items()):
             try:
-                reading = dom.cgroup.read()
-                dom.pressure = dom.cgroup.pressure()
+                reading = dom.cgroup.read(with_pressure=True)
+                dom.pressure = reading.pressure
             except FileNotFoundError:
                 self.stats.vanished += 1
                 gone.append(self._domains.pop(rel))
-                dom.cgroup.close()
+                self._drop(dom)
                 continue
             except (OSError, CgroupError) as exc:
                 self.stats.read_errors += 1
@@ -375,9 +407,14 @@ class CgroupSource:
         return False
 
     def close(self) -> None:
+        """Close every file held open; a later poll finds the cgroups and opens them again."""
         for dom in self._domains.values():
-            dom.cgroup.close()
+            self._drop(dom)
         self._domains.clear()
+        for cg in self._witnesses.values():
+            cg.close()
+        self._witnesses.clear()
+        self._next_scan = 0.0
 
 
 def default_job_of(rel: str) -> str | None:

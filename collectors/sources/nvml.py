@@ -133,7 +133,10 @@ class NvmlSource:
     def poll(self, now: float) -> list[Record]:
         if self._next_ts is not None and now < self._next_ts:
             return []
-        self._next_ts = now + self.interval_s
+        # due on a fixed beat, as the cgroup source is: "now + interval" would drift late by
+        # each tick's lateness and skip every few ticks of an agent ticking at this interval
+        due = (now if self._next_ts is None else self._next_ts) + self.interval_s
+        self._next_ts = due if due > now else now + self.interval_s  # no catch-up burst
         start = self._timer()
         nvml_before = self.nvml.stats.call_seconds
         samples_before = self.stats.samples

@@ -4,6 +4,7 @@ versions, and on a real memory cgroup with a real OOM kill (skipped where none c
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -285,3 +286,40 @@ def test_real_oom_kill_is_seen_by_the_source(real_cgroup: MemoryCgroup) -> None:
     assert oom.event == "oom" and oom.device == f"cgroup:/{real_cgroup.name}"
     assert seen and all(s.total_bytes == 96 * MIB for s in seen)
     assert max(s.used_bytes for s in seen) >= 0.7 * 96 * MIB
+
+
+# --- kept-open files -----------------------------------------------------------------------
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_no_descriptor_leak_over_many_ticks_and_rescans(tmp_path: Path, version: int) -> None:
+    root = v1_tree(tmp_path / "memory") if version == 1 else v2_node(tmp_path / "cg")
+    before = open_fds()
+    src = CgroupSource("n", root, interval_s=0.25, rescan_s=0.5)  # a rescan every other tick
+    src.poll(0.0)
+    held = open_fds()
+    assert held > before  # the files are kept open between ticks
+    for i in range(1, 300):
+        assert samples(src.poll(i * 0.25))
+    assert open_fds() == held
+    src.close()
+    assert open_fds() == before
+
+
+def test_container_removed_and_created_again_between_ticks_is_read_afresh(tmp_path: Path) -> None:
+    root = v2_node(tmp_path / "cg")
+    src = CgroupSource("n", root, include=("/kubepods.slice/*",), rescan_s=1000.0)
+    c1 = root / "kubepods.slice" / "pod-a.slice" / "c1.scope"
+    [s0] = samples(src.poll(0.0))
+    assert s0.used_bytes == 300 * MIB
+    shutil.rmtree(c1)  # the runtime restarts the container under the same cgroup name
+    write_files(c1, v2_files(current=500 * MIB, limit=2 * LIMIT) | {"cgroup.procs": "9"})
+    [s1] = samples(src.poll(1.0))
+    assert (s1.device, s1.used_bytes, s1.total_bytes) == (s0.device, 500 * MIB, 2 * LIMIT)
+    (c1 / "memory.current").write_text(f"{600 * MIB}\n")
+    assert [s.used_bytes for s in samples(src.poll(2.0))] == [600 * MIB]
+    src.close()

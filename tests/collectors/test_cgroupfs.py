@@ -4,6 +4,8 @@ tests/training/test_cgroup_recorder.py)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -132,3 +134,70 @@ def test_create_v2_enables_memory_for_children(tmp_path: Path) -> None:
     assert cg.version == 2
     assert (root / "cgroup.subtree_control").read_text() == "+memory"
     assert (root / "run-2" / "memory.max").read_text() == str(64 * MIB)
+
+
+# --- kept-open files -----------------------------------------------------------------------
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_flat_value_finds_one_line() -> None:
+    text = "anon 10\nanon_thp 5\ntotal_rss 7\nrss 3\noom_kill_disable 0\noom_kill 2\nodd x y"
+    assert cr.flat_value(text, "anon") == 10
+    assert cr.flat_value(text, "rss") == 3  # not total_rss
+    assert cr.flat_value(text, "oom_kill") == 2  # not oom_kill_disable
+    assert cr.flat_value(text, "odd") is None
+    assert cr.flat_value(text, "missing") is None
+    assert cr.flat_value("max 4", "max") == 4  # last line without a newline
+
+
+def test_reads_keep_descriptors_open_and_see_new_values(v2: MemoryCgroup) -> None:
+    v2.read(with_pressure=True)
+    held = v2.open_files
+    assert held >= 4  # memory.max, .current, .stat, .events (and the peak)
+    before = open_fds()
+    for i in range(200):
+        (v2.path / "memory.current").write_text(f"{(400 + i) * MIB}\n")  # in place, as the kernel
+        assert v2.read().usage_bytes == (400 + i) * MIB
+    assert open_fds() == before and v2.open_files == held  # nothing opened twice, nothing leaked
+
+
+def test_close_closes_every_descriptor(tmp_path: Path) -> None:
+    before = open_fds()
+    cg = MemoryCgroup(write_files(tmp_path / "cg", v2_files()), version=2)
+    cg.read()
+    assert cg.pressure() is None  # no memory.pressure in this tree
+    assert open_fds() > before
+    cg.close()
+    assert cg.open_files == 0 and open_fds() == before
+    assert cg.read().usage_bytes == 300 * MIB  # and a later read opens them again
+    cg.close()
+    assert open_fds() == before
+
+
+def test_cgroup_removed_and_created_again_is_read_afresh(tmp_path: Path) -> None:
+    """The kernel gives a re-created cgroup new files; old descriptors would show the removed
+    ones (or fail), so the next read must open the new files."""
+    path = write_files(tmp_path / "cg", v2_files(current=300 * MIB, limit=LIMIT))
+    cg = MemoryCgroup(path, version=2)
+    assert cg.read().usage_bytes == 300 * MIB
+    before = open_fds()
+    shutil.rmtree(path)
+    with pytest.raises(FileNotFoundError):  # gone: the source counts it as vanished
+        cg.read()
+    write_files(path, v2_files(current=123 * MIB, limit=2 * LIMIT, oom_kill=1))
+    r = cg.read()
+    assert (r.usage_bytes, r.limit_bytes, r.oom_kills) == (123 * MIB, 2 * LIMIT, 1)
+    assert open_fds() <= before  # the old descriptors were closed, not kept beside the new
+    cg.close()
+
+
+def test_stale_descriptor_is_opened_again(v1: MemoryCgroup) -> None:
+    v1.read()
+    fd = v1._fds["memory.usage_in_bytes"]
+    os.close(fd)  # what a removed cgroup's descriptor answers: an error on read
+    (v1.path / "memory.usage_in_bytes").write_text(f"{77 * MIB}\n")
+    assert v1.read(reset_peak=False).usage_bytes == 77 * MIB
+    v1.close()

@@ -351,6 +351,27 @@ def test_interval_is_respected(proc: Path) -> None:
     assert source.stats.polls == 2
 
 
+def test_polls_a_little_late_keep_the_beat(proc: Path) -> None:
+    """An agent ticking at the source's interval polls a little late now and then; the next
+    sample is still due one interval after the last due time, not after the late poll (which
+    skipped every few ticks: GPUs sampled at two thirds of the rate asked)."""
+    source, _ = make_source(two_gpus(), proc, interval_s=1.0)
+    late = [0.0, 1.02, 2.0, 3.01, 4.0, 5.03, 6.0]
+    assert all(len(samples(source.poll(T0 + t))) == 2 for t in late)
+    assert source.poll(T0 + 6.5) == []  # and a poll before the beat still gets nothing
+    assert len(samples(source.poll(T0 + 60.0))) == 2  # after a stall: no burst to catch up
+    assert source.poll(T0 + 60.5) == []
+
+
+def test_handles_are_kept_between_polls(proc: Path) -> None:
+    fake = two_gpus()
+    source, _ = make_source(fake, proc, interval_s=1.0)
+    for i in range(5):
+        assert len(samples(source.poll(T0 + i))) == 2
+    assert fake.calls["nvmlDeviceGetHandleByIndex"] == 2  # once per GPU, not per poll
+    assert fake.calls["nvmlInit"] == 1
+
+
 def test_failing_gpu_is_skipped_while_the_others_report(proc: Path) -> None:
     fake = FakeNvml([FakeGpu(processes=[(1001, GIB)]), FakeGpu(processes=[(2001, GIB)])])
     source, _ = make_source(fake, proc)

@@ -346,3 +346,16 @@ def test_rejected_sample_does_not_move_the_domain_clock() -> None:
     with pytest.raises(SchemaError):
         order.accept(s(T0 + 1))
     order.accept(s(T0 + 11))
+
+
+def test_to_dict_writes_every_field_of_a_sample_in_declaration_order() -> None:
+    """to_dict is written out by hand (the agent calls it per sample): a field added to
+    Sample must not be left out of traces and streams."""
+    import dataclasses
+
+    full = Sample(
+        1.0, "n", "d", "gpu", 10, 5,
+        allocated_bytes=1, reserved_bytes=2, peak_bytes=3, alloc_retries=4, job="j",
+    )  # fmt: skip
+    assert list(full.to_dict()) == [f.name for f in dataclasses.fields(Sample)]
+    assert full.to_dict() == dataclasses.asdict(full)

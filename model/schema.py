@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ OPTIONAL_BYTE_FIELDS = ("allocated_bytes", "reserved_bytes", "peak_bytes")
 # characters (a newline in a device name would forge a log line). 512 leaves room for the
 # longest Kubernetes cgroup paths (``cgroup:/kubepods.slice/...``, about 200 characters).
 MAX_NAME_CHARS = 512
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class SchemaError(ValueError):
@@ -123,7 +125,7 @@ def _ts(obj: dict[str, Any]) -> float:
 def _check_name(key: str, value: str) -> str:
     if len(value) > MAX_NAME_CHARS:
         raise SchemaError(key, f"is {len(value)} characters long; the limit is {MAX_NAME_CHARS}")
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+    if _CONTROL_CHARS.search(value):
         raise SchemaError(key, f"must not contain control characters, got {value[:80]!r}")
     return value
 

@@ -32,6 +32,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "faults":
         return _bench_faults(args)
+    if args.what == "ingest":
+        return _bench_ingest(args)
     url = args.redis_url or redis_url_from_env()
     result: dict[str, Any]
     if args.what == "inference":
@@ -62,6 +64,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
         except redis.RedisError as exc:
             raise UsageError(f"bench agent needs a Redis at {redact_url(url)}: {exc}") from None
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:40} {value}")
+    return 0
+
+
+def _bench_ingest(args: argparse.Namespace) -> int:
+    """``oomcast bench ingest``: one ``oomcast serve`` fed real stream entries (docs/bench.md)."""
+    from oomcast.service.bench_ingest import IngestBenchError, bench_ingest
+
+    try:
+        result = bench_ingest(
+            domains=args.domains,
+            seconds=args.seconds,
+            rate=args.rate,
+            soak=args.soak,
+            partitions=args.partitions,
+        )
+    except (ValueError, IngestBenchError) as exc:
+        raise UsageError(str(exc)) from None
     if args.json:
         print(json.dumps(result))
     else:
@@ -157,10 +181,11 @@ def add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="measure a hot path")
     b.add_argument(
         "what",
-        choices=["inference", "hook", "agent", "faults", "api"],
+        choices=["inference", "hook", "agent", "faults", "api", "ingest"],
         help="inference: the forecaster per sample; hook: the in-process hook's step();"
         " agent: the node agent's CPU use; faults: the fault scenarios on real processes"
-        " (docs/bench.md); api: GET /v1/devices over --domains live domains",
+        " (docs/bench.md); api: GET /v1/devices over --domains live domains; ingest: one"
+        " oomcast serve draining --domains GPUs' samples from a private Redis",
     )
     b.add_argument("--model", help="ONNX model (default: shipped, else an untrained one)")
     b.add_argument("--seconds", type=float, default=2.0, help="per measurement (agent: total)")
@@ -184,5 +209,13 @@ def add_bench_parser(sub: Any) -> None:
         default=60.0,
         help="faults: how long the webhook receiver is down",
     )
+    b.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="ingest: write this many samples/s for --seconds and report latency (default: drain)",
+    )
+    b.add_argument("--soak", action="store_true", help="ingest: the rate mode, with RSS every 10 s")
+    b.add_argument("--partitions", type=int, default=4, help="ingest: sample-stream partitions")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)

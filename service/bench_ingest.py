@@ -1,0 +1,445 @@
+"""``oomcast bench ingest``: how fast one ``oomcast serve`` takes samples in, measured on
+real processes (a private ``redis-server`` and the service as a subprocess) and fed the
+real wire format: one stream entry per node tick, 8 GPUs per node, each sample carrying
+the embedding its node computed, each entry signed with its node's key as agents sign.
+
+Three modes:
+
+- drain (the default): the streams are pre-filled with ``seconds`` of 10 Hz samples for
+  ``domains`` GPUs before the service starts; ``samples_per_s`` is how fast it then
+  acknowledges them, timed from the first entry it reads to the last it acknowledges
+  (from the consumer group's ``entries-read``/``pending``/``lag`` in Redis, so that
+  the timing costs the service nothing).
+- rate (``rate``): samples are written at ``rate`` samples/s for ``seconds``; p50/p99
+  come from the service's own ``oomcast_forecast_latency_seconds`` histogram (arrival in
+  Redis to forecast), interpolated within its buckets as Prometheus does.
+- soak (``soak``): the rate mode (5,000 samples/s unless given), with the service's RSS
+  recorded every 10 s in ``rss_series``.
+
+In every mode ``cpu_pct`` is the service process's CPU (all its threads) over the
+measured window, from ``/proc/<pid>/stat``, and ``rss_mb_start``/``rss_mb_end`` its
+resident memory before and after, from ``/proc/<pid>/status``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import secrets
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from oomcast.collectors.streams import stream_fields
+from oomcast.model.control import node_key
+from oomcast.model.embedding import EMBEDDING_VERSION, EmbeddingState
+from oomcast.model.schema import Sample
+from oomcast.model.wire import Keys, encode_samples, sample_payload
+from oomcast.service.faults.procs import (
+    FaultBenchError,
+    Procs,
+    RedisServer,
+    Service,
+    read_status,
+    start_service,
+    wait_for,
+)
+
+GPUS_PER_NODE = 8
+DRAIN_HZ = 10.0
+GIB = 1 << 30
+TOTAL_BYTES = 80 * GIB
+AGENT_MAXLEN = 100_000  # what agents trim each stream to (approximately)
+SOAK_DEFAULT_RATE = 5000.0
+SOAK_EVERY_S = 10.0
+POLL_S = 0.05
+LATENCY = "oomcast_forecast_latency_seconds"
+INGESTED = "oomcast_samples_ingested_total"
+DEADLETTERS = "oomcast_deadletters_total"
+
+
+class IngestBenchError(FaultBenchError):
+    """The ingest bench cannot run (no redis-server, a service that never started, a drain
+    that never finished); the message says what."""
+
+
+class BenchRedis(RedisServer):
+    """The private Redis of this bench: in memory only (no append-only file), so that what
+    is timed is the service, not this machine's disk."""
+
+    def argv(self) -> list[str]:
+        return [
+            self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--maxmemory-policy", "noeviction", "--dir", str(self.dir),
+        ]  # fmt: skip
+
+
+@dataclass
+class _Gpu:
+    device: str
+    used: float  # fraction of capacity
+    drift: float  # per second
+    emb: EmbeddingState = field(default_factory=EmbeddingState)
+
+
+class Fleet:
+    """Simulated nodes of 8 GPUs whose memory drifts; ``entry(node, ts)`` is the stream
+    entry that node's agent would write at ``ts`` (embeddings computed and signed here)."""
+
+    def __init__(self, domains: int, secret: str, seed: int = 0) -> None:
+        rng = random.Random(seed)
+        self.nodes: list[str] = []
+        self.gpus: list[list[_Gpu]] = []
+        self.keys: list[str] = []
+        for i in range(math.ceil(domains / GPUS_PER_NODE)):
+            name = f"bench-node-{i:05d}"
+            n = min(GPUS_PER_NODE, domains - i * GPUS_PER_NODE)
+            self.nodes.append(name)
+            self.keys.append(node_key(secret, name))
+            self.gpus.append(
+                [
+                    _Gpu(f"gpu{g}", rng.uniform(0.2, 0.6), rng.uniform(-0.002, 0.004))
+                    for g in range(n)
+                ]
+            )
+        self.domains = domains
+        self._last: dict[int, float] = {}
+
+    def entry(self, i: int, ts: float) -> dict[str, str]:
+        node = self.nodes[i]
+        dt = ts - self._last.get(i, ts - 0.1)
+        self._last[i] = ts
+        payloads: list[dict[str, object]] = []
+        for gpu in self.gpus[i]:
+            gpu.used += gpu.drift * dt
+            if not 0.05 < gpu.used < 0.97:  # a job ended, or was restarted smaller
+                gpu.used, gpu.drift = 0.3, -gpu.drift
+            used = int(gpu.used * TOTAL_BYTES)
+            sample = Sample(
+                ts=round(ts, 3), node=node, device=gpu.device, kind="gpu",
+                total_bytes=TOTAL_BYTES, used_bytes=used, allocated_bytes=int(used * 0.9),
+                reserved_bytes=used, peak_bytes=used, job=f"job-{node}-{gpu.device}",
+            )  # fmt: skip
+            payloads.append(sample_payload(sample, gpu.emb.embed(sample), EMBEDDING_VERSION))
+        return encode_samples(node, payloads, self.keys[i])
+
+    def size(self, i: int) -> int:
+        return len(self.gpus[i])
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds, from ``/proc/<pid>/stat``."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return float("nan")
+    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mb(pid: int) -> float:
+    return round(read_status(pid).get("VmRSS", 0) / 1e6, 1)
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The ``q`` quantile of a cumulative histogram ``[(le, count)]`` (``le`` ascending,
+    the last +Inf), interpolated linearly within the bucket it falls in, as Prometheus's
+    ``histogram_quantile`` does; the top finite bound when it falls in +Inf; None if empty."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            if count == below:
+                return le
+            return lower + (le - lower) * (rank - below) / (count - below)
+        lower, below = le, count
+    return lower
+
+
+def latency_buckets(metrics: dict[str, float]) -> list[tuple[float, float]]:
+    out = []
+    for name, value in metrics.items():
+        if name.startswith(LATENCY + "_bucket{"):
+            le = name.partition('le="')[2].partition('"')[0]
+            out.append((float(le), value))
+    return sorted(out)
+
+
+def group_progress(client: redis.Redis, streams: list[str], group: str) -> tuple[int, int, int]:
+    """(entries read, pending, lag) of the service's group, summed over the streams; a
+    stream without the group yet counts as nothing read."""
+    read = pending = lag = 0
+    for stream in streams:
+        try:
+            groups: Any = client.xinfo_groups(stream)
+        except redis.ResponseError:
+            lag += int(client.xlen(stream))
+            continue
+        for g in groups:
+            name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
+            if name == group:
+                entries_read = int(g.get("entries-read") or 0)
+                read += entries_read
+                pending += int(g["pending"])
+                unknown = g.get("lag") is None  # Redis cannot tell: count from the length
+                lag += int(client.xlen(stream)) - entries_read if unknown else int(g["lag"])
+                break
+        else:
+            lag += int(client.xlen(stream))
+    return read, pending, lag
+
+
+@dataclass
+class Run:
+    procs: Procs
+    server: BenchRedis
+    client: redis.Redis
+    keys: Keys
+    env: dict[str, str]
+    fleet: Fleet
+    group: str = "oomcast-service"
+    service: Service | None = None
+
+    def start_service(self) -> Service:
+        self.service = start_service(self.procs, "ingest", self.env)
+        return self.service
+
+    def svc(self) -> Service:
+        if self.service is None:
+            raise IngestBenchError("the service is not running")
+        return self.service
+
+    def has_group(self, stream: str) -> bool:
+        try:
+            groups: Any = self.client.xinfo_groups(stream)
+        except redis.ResponseError:  # no such stream yet
+            return False
+        return any(g["name"] in (self.group, self.group.encode()) for g in groups)
+
+    def drained(self) -> bool:
+        _, pending, lag = group_progress(self.client, self.keys.all_samples(), self.group)
+        return pending == 0 and lag == 0 and self.svc().alive()
+
+
+@contextmanager
+def bench_run(domains: int, partitions: int) -> Iterator[Run]:
+    """A private Redis, the fleet, and the service's environment; every process and the
+    temporary folder gone on the way out."""
+    logs = Path(tempfile.mkdtemp(prefix="oomcast-bench-ingest-"))
+    procs = Procs(logs)
+    try:
+        server = BenchRedis(procs, logs)
+        server.start()
+        secret = secrets.token_hex(16)
+        keys = Keys(f"bench-{secrets.token_hex(4)}", partitions)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OOMCAST_")}
+        env.update(
+            OOMCAST_REDIS_URL=server.url,
+            OOMCAST_KEY_PREFIX=keys.prefix,
+            OOMCAST_PARTITIONS=str(partitions),
+            OOMCAST_CONTROL_SECRET=secret,
+        )
+        yield Run(procs, server, server.client(), keys, env, Fleet(domains, secret))
+    except IngestBenchError:
+        raise
+    except FaultBenchError as exc:
+        raise IngestBenchError(f"{exc}; logs were in {logs}") from None
+    finally:
+        procs.close()
+        shutil.rmtree(logs, ignore_errors=True)
+
+
+def _write(run: Run, batch: list[tuple[int, float]], maxlen: int | None) -> int:
+    """XADD one entry per (node, ts) in one pipeline, as agents do; samples written."""
+    pipe = run.client.pipeline(transaction=False)
+    n = 0
+    for i, ts in batch:
+        stream = run.keys.samples_for(run.fleet.nodes[i])
+        fields = stream_fields(run.fleet.entry(i, ts))
+        if maxlen is None:
+            pipe.xadd(stream, fields)
+        else:
+            pipe.xadd(stream, fields, maxlen=maxlen, approximate=True)
+        n += run.fleet.size(i)
+    pipe.execute()
+    return n
+
+
+def _common(run: Run, written: int, entries: int) -> dict[str, Any]:
+    m = run.svc().metrics()
+    return {
+        "domains": run.fleet.domains,
+        "nodes": len(run.fleet.nodes),
+        "gpus_per_node": GPUS_PER_NODE,
+        "partitions": run.keys.partitions,
+        "signed": True,
+        "entries_written": entries,
+        "samples_written": written,
+        "samples_ingested": int(m.get(INGESTED, 0)),
+        "deadletters": int(m.get(DEADLETTERS, 0)),
+    }
+
+
+def drain(run: Run, seconds: float, timeout_s: float) -> dict[str, Any]:
+    """Pre-fill, hold the service off the backlog until it is ready (its group starts at
+    the end of each stream), then rewind the group and time the drain."""
+    ticks = max(1, round(seconds * DRAIN_HZ))
+    start = time.time() - ticks / DRAIN_HZ
+    written = entries = 0
+    for t in range(ticks):
+        batch = [(i, start + t / DRAIN_HZ) for i in range(len(run.fleet.nodes))]
+        for k in range(0, len(batch), 1000):
+            written += _write(run, batch[k : k + 1000], None)
+        entries += len(batch)
+    streams = run.keys.all_samples()
+    for stream in streams:
+        run.client.xgroup_create(stream, run.group, id="$", mkstream=True)
+    svc = run.start_service()
+    rss_start = rss_mb(svc.pid)
+    cpu0, t0 = cpu_seconds(svc.pid), time.monotonic()
+    for stream in streams:
+        run.client.xgroup_setid(stream, run.group, "0", entries_read=0)
+    # one more tick wakes the service's blocked XREADGROUP (a rewind alone does not)
+    written += _write(run, [(0, time.time())], None)
+    entries += 1
+    deadline = t0 + timeout_s
+    while True:
+        now, cpu = time.monotonic(), cpu_seconds(svc.pid)
+        read, pending, lag = group_progress(run.client, streams, run.group)
+        if pending == 0 and lag == 0:
+            break
+        if not svc.alive() or now > deadline:
+            raise IngestBenchError(
+                f"the service acknowledged {read - pending} of {entries} entries in"
+                f" {timeout_s:.0f} s" + ("" if svc.alive() else " and died (serve-ingest.log)")
+            )
+        time.sleep(POLL_S)
+    wall = max(now - t0, 1e-6)
+    out: dict[str, Any] = {"mode": "drain", "seconds_prefilled": ticks / DRAIN_HZ}
+    out |= _common(run, written, entries)
+    out |= {
+        "drain_s": round(wall, 3),
+        "samples_per_s": round(written / wall),
+        "timing_note": f"from the group's rewind to no entry pending or unread, polled"
+        f" every {POLL_S * 1000:.0f} ms",
+        "cpu_pct": round(100 * (cpu - cpu0) / wall, 1),
+        "rss_mb_start": rss_start,
+        "rss_mb_end": rss_mb(svc.pid),
+        "p50_ms": None,
+        "p99_ms": None,
+    }
+    return out
+
+
+def produce(
+    run: Run, rate: float, seconds: float, tick: Callable[[float], None] | None = None
+) -> tuple[int, int, float]:
+    """Write ``rate`` samples/s for ``seconds``, nodes in turn, in 10 ms slots, ts the wall
+    clock; ``tick(elapsed)`` after each slot. (samples, entries, seconds it took)."""
+    slot = 0.01
+    per_slot = rate * slot / GPUS_PER_NODE  # entries
+    nodes = len(run.fleet.nodes)
+    owed = 0.0
+    cursor = written = entries = 0
+    t0 = time.monotonic()
+    k = 0
+    while (elapsed := time.monotonic() - t0) < seconds:
+        owed += per_slot
+        batch = []
+        while owed >= 1:
+            batch.append((cursor, time.time()))
+            cursor = (cursor + 1) % nodes
+            owed -= 1
+        if batch:
+            written += _write(run, batch, AGENT_MAXLEN)
+            entries += len(batch)
+        if tick is not None:
+            tick(elapsed)
+        k += 1
+        pause = t0 + k * slot - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+    return written, entries, time.monotonic() - t0
+
+
+def rated(run: Run, rate: float, seconds: float, soak: bool, timeout_s: float) -> dict[str, Any]:
+    svc = run.start_service()
+    streams = run.keys.all_samples()
+    if not wait_for(lambda: all(run.has_group(s) for s in streams), 30):
+        raise IngestBenchError("the service did not create its consumer groups in 30 s")
+    before = latency_buckets(svc.metrics())
+    rss_start, cpu0, t0 = rss_mb(svc.pid), cpu_seconds(svc.pid), time.monotonic()
+    series: list[list[float]] = [[0.0, rss_start]]
+
+    def record(elapsed: float) -> None:
+        if soak and elapsed >= len(series) * SOAK_EVERY_S:
+            series.append([round(elapsed, 1), rss_mb(svc.pid)])
+
+    written, entries, took = produce(run, rate, seconds, record)
+    backlog = group_progress(run.client, streams, run.group)[2]
+    if not wait_for(run.drained, timeout_s):
+        raise IngestBenchError(f"the service had not caught up {timeout_s:.0f} s after the run")
+    wall = time.monotonic() - t0
+    cpu = cpu_seconds(svc.pid) - cpu0
+    after = latency_buckets(svc.metrics())
+    base = dict(before)
+    delta = [(le, n - base.get(le, 0.0)) for le, n in after]
+    p50, p99 = histogram_quantile(0.5, delta), histogram_quantile(0.99, delta)
+    out: dict[str, Any] = {"mode": "soak" if soak else "rate"}
+    out |= _common(run, written, entries)
+    out |= {
+        "rate_target": rate,
+        "rate_achieved": round(written / took),
+        "seconds": round(took, 2),
+        "backlog_entries_at_end": backlog,
+        "catch_up_s": round(wall - took, 2),
+        "samples_per_s": round(written / wall),
+        "p50_ms": None if p50 is None else round(p50 * 1000, 2),
+        "p99_ms": None if p99 is None else round(p99 * 1000, 2),
+        "latency_note": f"from {LATENCY} (arrival in Redis to forecast), interpolated"
+        " linearly within its buckets as histogram_quantile does",
+        "latency_samples": int(delta[-1][1]) if delta else 0,
+        "cpu_pct": round(100 * cpu / wall, 1),
+        "rss_mb_start": rss_start,
+        "rss_mb_end": rss_mb(svc.pid),
+    }
+    if soak:
+        series.append([round(wall, 1), out["rss_mb_end"]])
+        out["rss_series"] = series
+    return out
+
+
+def bench_ingest(
+    domains: int,
+    seconds: float,
+    rate: float | None = None,
+    soak: bool = False,
+    partitions: int = 4,
+    timeout_s: float = 600.0,
+) -> dict[str, Any]:
+    """Run one measurement (see the module docstring) and return its figures."""
+    if domains < 1 or seconds <= 0 or partitions < 1:
+        raise ValueError(
+            f"bench ingest: --domains ({domains}) and --partitions ({partitions}) must be at"
+            f" least 1 and --seconds ({seconds:g}) positive"
+        )
+    if rate is not None and rate <= 0:
+        raise ValueError(f"bench ingest: --rate {rate:g} must be positive")
+    if soak and rate is None:
+        rate = SOAK_DEFAULT_RATE
+    with bench_run(domains, partitions) as run:
+        if rate is None:
+            return drain(run, seconds, timeout_s)
+        return rated(run, rate, seconds, soak, timeout_s)

@@ -1,0 +1,100 @@
+"""``oomcast bench ingest``: a real service drained from a real private Redis, and the
+figures it prints add up."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+
+import pytest
+from support import oomcast_cmd
+
+from oomcast.model.wire import decode_samples
+from oomcast.service.bench_ingest import Fleet, histogram_quantile
+
+needs_redis_server = pytest.mark.skipif(
+    shutil.which("redis-server") is None, reason="the bench starts a private redis-server"
+)
+
+
+def _bench(*args: str) -> dict[str, object]:
+    done = subprocess.run(
+        oomcast_cmd("bench", "ingest", "--json", *args),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    result: dict[str, object] = json.loads(done.stdout)
+    return result
+
+
+def test_quantiles_are_interpolated_within_the_bucket_they_fall_in() -> None:
+    buckets = [(0.01, 50.0), (0.1, 90.0), (1.0, 100.0), (math.inf, 100.0)]
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.01)
+    assert histogram_quantile(0.7, buckets) == pytest.approx(0.01 + 0.09 * 20 / 40)
+    assert histogram_quantile(0.99, buckets) == pytest.approx(0.1 + 0.9 * 9 / 10)
+    # beyond the top finite bound: that bound, not infinity
+    assert histogram_quantile(0.99, [(0.1, 1.0), (math.inf, 100.0)]) == pytest.approx(0.1)
+    assert histogram_quantile(0.5, [(0.1, 0.0), (math.inf, 0.0)]) is None
+
+
+def test_the_fleet_writes_what_an_agent_writes() -> None:
+    fleet = Fleet(domains=12, secret="s")
+    assert [fleet.size(i) for i in range(len(fleet.nodes))] == [8, 4]
+    fields = fleet.entry(1, 1000.0)
+    assert fields["node"] == fleet.nodes[1] and "sig" in fields
+    decoded = decode_samples(dict(fields))
+    assert len(decoded) == 4
+    for d in decoded:
+        assert not isinstance(d, Exception)
+        assert d.emb is not None  # the node computed the embedding
+
+
+@pytest.mark.slow
+@needs_redis_server
+def test_a_tiny_drain_is_timed_and_every_sample_is_accounted_for() -> None:
+    r = _bench("--domains", "40", "--seconds", "2")
+    for key in (
+        "samples_per_s",
+        "cpu_pct",
+        "rss_mb_start",
+        "rss_mb_end",
+        "p50_ms",
+        "p99_ms",
+        "samples_written",
+        "samples_ingested",
+        "entries_written",
+        "drain_s",
+    ):
+        assert key in r, key
+    assert r["mode"] == "drain"
+    assert isinstance(r["samples_per_s"], int) and r["samples_per_s"] > 0
+    # 5 nodes x 20 ticks of 8 GPUs, plus the one tick that wakes the service
+    assert r["entries_written"] == 5 * 20 + 1
+    assert r["samples_written"] == 8 * r["entries_written"]
+    assert r["samples_ingested"] == r["samples_written"]
+    assert r["deadletters"] == 0
+    assert isinstance(r["rss_mb_start"], float) and r["rss_mb_start"] > 0
+
+
+@pytest.mark.slow
+@needs_redis_server
+def test_the_rate_mode_reports_latency_from_the_service_histogram() -> None:
+    r = _bench("--domains", "40", "--rate", "400", "--seconds", "2")
+    assert r["mode"] == "rate"
+    assert r["samples_ingested"] == r["samples_written"] == r["latency_samples"]
+    assert isinstance(r["samples_written"], int) and 600 <= r["samples_written"] <= 900
+    p50, p99 = r["p50_ms"], r["p99_ms"]
+    assert isinstance(p50, float) and isinstance(p99, float) and 0 < p50 <= p99
+    assert "interpolated" in str(r["latency_note"])
+
+
+def test_a_bad_rate_is_refused_with_its_value() -> None:
+    done = subprocess.run(
+        oomcast_cmd("bench", "ingest", "--rate", "0"), capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert "--rate 0" in done.stderr

@@ -291,23 +291,32 @@ def test_real_oom_kill_is_seen_by_the_source(real_cgroup: MemoryCgroup) -> None:
 # --- kept-open files -----------------------------------------------------------------------
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def open_fds(under: Path) -> int:
+    """Descriptors of this process open on files under ``under`` (counting all of the
+    process's would also count what other tests' threads open and close meanwhile)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor, say)
+        n += target.startswith(str(under))
+    return n
 
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_no_descriptor_leak_over_many_ticks_and_rescans(tmp_path: Path, version: int) -> None:
     root = v1_tree(tmp_path / "memory") if version == 1 else v2_node(tmp_path / "cg")
-    before = open_fds()
+    before = open_fds(tmp_path)
     src = CgroupSource("n", root, interval_s=0.25, rescan_s=0.5)  # a rescan every other tick
     src.poll(0.0)
-    held = open_fds()
+    held = open_fds(tmp_path)
     assert held > before  # the files are kept open between ticks
     for i in range(1, 300):
         assert samples(src.poll(i * 0.25))
-    assert open_fds() == held
+    assert open_fds(tmp_path) == held
     src.close()
-    assert open_fds() == before
+    assert open_fds(tmp_path) == before
 
 
 def test_container_removed_and_created_again_between_ticks_is_read_afresh(tmp_path: Path) -> None:

@@ -139,8 +139,17 @@ def test_create_v2_enables_memory_for_children(tmp_path: Path) -> None:
 # --- kept-open files -----------------------------------------------------------------------
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def open_fds(under: Path) -> int:
+    """Descriptors of this process open on files under ``under`` (counting all of the
+    process's would also count what other tests' threads open and close meanwhile)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor, say)
+        n += target.startswith(str(under))
+    return n
 
 
 def test_flat_value_finds_one_line() -> None:
@@ -157,24 +166,25 @@ def test_reads_keep_descriptors_open_and_see_new_values(v2: MemoryCgroup) -> Non
     v2.read(with_pressure=True)
     held = v2.open_files
     assert held >= 4  # memory.max, .current, .stat, .events (and the peak)
-    before = open_fds()
+    before = open_fds(v2.path)
     for i in range(200):
         (v2.path / "memory.current").write_text(f"{(400 + i) * MIB}\n")  # in place, as the kernel
         assert v2.read().usage_bytes == (400 + i) * MIB
-    assert open_fds() == before and v2.open_files == held  # nothing opened twice, nothing leaked
+    assert open_fds(v2.path) == before  # nothing opened twice, nothing leaked
+    assert v2.open_files == held
 
 
 def test_close_closes_every_descriptor(tmp_path: Path) -> None:
-    before = open_fds()
+    before = open_fds(tmp_path)
     cg = MemoryCgroup(write_files(tmp_path / "cg", v2_files()), version=2)
     cg.read()
     assert cg.pressure() is None  # no memory.pressure in this tree
-    assert open_fds() > before
+    assert open_fds(tmp_path) > before
     cg.close()
-    assert cg.open_files == 0 and open_fds() == before
+    assert cg.open_files == 0 and open_fds(tmp_path) == before
     assert cg.read().usage_bytes == 300 * MIB  # and a later read opens them again
     cg.close()
-    assert open_fds() == before
+    assert open_fds(tmp_path) == before
 
 
 def test_cgroup_removed_and_created_again_is_read_afresh(tmp_path: Path) -> None:
@@ -183,14 +193,14 @@ def test_cgroup_removed_and_created_again_is_read_afresh(tmp_path: Path) -> None
     path = write_files(tmp_path / "cg", v2_files(current=300 * MIB, limit=LIMIT))
     cg = MemoryCgroup(path, version=2)
     assert cg.read().usage_bytes == 300 * MIB
-    before = open_fds()
+    before = open_fds(tmp_path)
     shutil.rmtree(path)
     with pytest.raises(FileNotFoundError):  # gone: the source counts it as vanished
         cg.read()
     write_files(path, v2_files(current=123 * MIB, limit=2 * LIMIT, oom_kill=1))
     r = cg.read()
     assert (r.usage_bytes, r.limit_bytes, r.oom_kills) == (123 * MIB, 2 * LIMIT, 1)
-    assert open_fds() <= before  # the old descriptors were closed, not kept beside the new
+    assert open_fds(tmp_path) <= before  # the old descriptors were closed, not kept beside the new
     cg.close()
 
 

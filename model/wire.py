@@ -87,6 +87,17 @@ class Keys:
     def samples_for(self, node: str) -> str:
         return self.samples(self.partition_of(node))
 
+    def partition_of_stream(self, stream: str) -> int | None:
+        """The partition whose sample stream ``stream`` is; None for any other key."""
+        head, tail = f"{self.prefix}:samples:{{", "}"
+        if not (stream.startswith(head) and stream.endswith(tail)):
+            return None
+        digits = stream[len(head) : -len(tail)]
+        if not digits.isdigit() or self.samples(int(digits)) != stream:
+            return None
+        p = int(digits)
+        return p if p < self.partitions else None
+
     def all_samples(self) -> list[str]:
         return [self.samples(p) for p in range(self.partitions)]
 

@@ -64,12 +64,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
         except redis.RedisError as exc:
             raise UsageError(f"bench agent needs a Redis at {redact_url(url)}: {exc}") from None
-    if args.json:
+    _print_figures(result, args.json)
+    return 0
+
+
+def _print_figures(result: dict[str, Any], as_json: bool) -> None:
+    if as_json:
         print(json.dumps(result))
     else:
         for key, value in result.items():
             print(f"{key:40} {value}")
-    return 0
 
 
 def _bench_ingest(args: argparse.Namespace) -> int:
@@ -86,11 +90,7 @@ def _bench_ingest(args: argparse.Namespace) -> int:
         )
     except (ValueError, IngestBenchError) as exc:
         raise UsageError(str(exc)) from None
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key:40} {value}")
+    _print_figures(result, args.json)
     return 0
 
 

@@ -143,7 +143,7 @@ def decode_sample_entries(
     dead-lettered (``wrong_partition``): its state would live on two replicas."""
     out = Decoded()
     now = int(time.time() * 1000) if now_ms is None else now_ms
-    home = _partition_of_stream(stream, keys)
+    home = keys.partition_of_stream(stream) if keys is not None else None
     for entry_id, fields in entries:
         if fields is None:
             continue  # trimmed away before we read it
@@ -196,15 +196,6 @@ def _signer(fields: Fields, key_for_node: KeyForNode | None) -> str | None:
     except Exception:  # a malformed signature field is an unsigned entry, nothing worse
         return None
     return _s(fields.get(b"node", fields.get("node", b"")) or b"") or None
-
-
-def _partition_of_stream(stream: str, keys: Keys | None) -> int | None:
-    if keys is None:
-        return None
-    for p in range(keys.partitions):
-        if keys.samples(p) == stream:
-            return p
-    return None
 
 
 def decode_event_entries(

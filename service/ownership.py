@@ -78,7 +78,6 @@ class Ownership:
         self.commit_margin_s = COMMIT_MARGIN * float(getattr(owner, "ttl_s", 0.0))
         self.on_restore: Callable[[list[Alert]], None] | None = None
         self.on_forget: Callable[[set[Domain]], None] | None = None
-        self._stream_partition = {keys.samples(p): p for p in range(keys.partitions)}
 
     def keep_alive_in(self, target: Any) -> None:
         """Alertmanager ends an alert nobody re-sends: on a partition's hand-over the new
@@ -101,7 +100,7 @@ class Ownership:
         return [self.keys.samples(p) for p in self.partitions]
 
     def partition_of_stream(self, stream: str) -> int | None:
-        return self._stream_partition.get(stream)
+        return self.keys.partition_of_stream(stream)
 
     def owns_stream(self, stream: str, for_s: float = 0.0) -> bool:
         p = self.partition_of_stream(stream)

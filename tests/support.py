@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 import socket
@@ -165,6 +166,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def open_fds(under: Path) -> int:
+    """Descriptors of this process open on files under ``under`` (counting all of the
+    process's would also count what other tests' threads open and close meanwhile)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor, say)
+        n += target.startswith(str(under))
+    return n
 
 
 def wait_until(predicate: Any, timeout_s: float = 20.0, interval_s: float = 0.05) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import LIMIT, MIB, v1_files, v2_files, wait_until, write_files
+from support import LIMIT, MIB, open_fds, v1_files, v2_files, wait_until, write_files
 
 from oomcast.collectors.cgroupfs import (
     CgroupUnavailable,
@@ -289,19 +289,6 @@ def test_real_oom_kill_is_seen_by_the_source(real_cgroup: MemoryCgroup) -> None:
 
 
 # --- kept-open files -----------------------------------------------------------------------
-
-
-def open_fds(under: Path) -> int:
-    """Descriptors of this process open on files under ``under`` (counting all of the
-    process's would also count what other tests' threads open and close meanwhile)."""
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue  # closed meanwhile (the listing's own descriptor, say)
-        n += target.startswith(str(under))
-    return n
 
 
 @pytest.mark.parametrize("version", [1, 2])

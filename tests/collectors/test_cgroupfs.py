@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from support import LIMIT, MIB, v1_files, v2_files, write_files
+from support import LIMIT, MIB, open_fds, v1_files, v2_files, write_files
 
 from oomcast.collectors import cgroupfs as cr
 from oomcast.collectors.cgroupfs import CgroupError, CgroupUnavailable, MemoryCgroup
@@ -137,19 +137,6 @@ def test_create_v2_enables_memory_for_children(tmp_path: Path) -> None:
 
 
 # --- kept-open files -----------------------------------------------------------------------
-
-
-def open_fds(under: Path) -> int:
-    """Descriptors of this process open on files under ``under`` (counting all of the
-    process's would also count what other tests' threads open and close meanwhile)."""
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue  # closed meanwhile (the listing's own descriptor, say)
-        n += target.startswith(str(under))
-    return n
 
 
 def test_flat_value_finds_one_line() -> None:

@@ -283,3 +283,10 @@ def test_decode_event_errors(fields: dict[Any, Any], field: str, match: str) -> 
     with pytest.raises(SchemaError, match=match) as info:
         decode_event(fields)
     assert info.value.field == field
+
+
+def test_a_sample_stream_names_its_partition_and_nothing_else_does() -> None:
+    keys = Keys("t", 4)
+    assert [keys.partition_of_stream(keys.samples(p)) for p in range(4)] == [0, 1, 2, 3]
+    for other in ("t:samples:{4}", "t:samples:{x}", "t:samples:{1", "u:samples:{1}", keys.events):
+        assert keys.partition_of_stream(other) is None

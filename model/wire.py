@@ -24,9 +24,9 @@ import math
 import os
 import re
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
 from oomcast.model.schema import (
@@ -279,3 +279,16 @@ def redact_url(url: str) -> str:
         return urlunsplit(parts._replace(netloc=netloc, query=query))
     except ValueError:  # e.g. a malformed IPv6 host
         return _USERINFO.sub(f"//{MASK}@", url)
+
+
+_T = TypeVar("_T")
+
+
+def answer(reply: Awaitable[_T] | _T) -> _T:
+    """A sync client's reply: redis-py 5-7 type each command as either, for both clients."""
+    return cast(_T, reply)
+
+
+def answer_async(reply: Awaitable[_T] | _T) -> Awaitable[_T]:
+    """An asyncio client's reply, to await (see ``answer``)."""
+    return cast(Awaitable[_T], reply)

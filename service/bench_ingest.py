@@ -42,7 +42,7 @@ from oomcast.collectors.streams import stream_fields
 from oomcast.model.control import node_key
 from oomcast.model.embedding import EMBEDDING_VERSION, EmbeddingState
 from oomcast.model.schema import Sample
-from oomcast.model.wire import Keys, encode_samples, sample_payload
+from oomcast.model.wire import Keys, answer, encode_samples, sample_payload
 from oomcast.service.faults.procs import (
     FaultBenchError,
     Procs,
@@ -185,7 +185,7 @@ def group_progress(client: redis.Redis, streams: list[str], group: str) -> tuple
         try:
             groups: Any = client.xinfo_groups(stream)
         except redis.ResponseError:
-            lag += int(client.xlen(stream))
+            lag += int(answer(client.xlen(stream)))
             continue
         for g in groups:
             name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
@@ -194,10 +194,10 @@ def group_progress(client: redis.Redis, streams: list[str], group: str) -> tuple
                 read += entries_read
                 pending += int(g["pending"])
                 unknown = g.get("lag") is None  # Redis cannot tell: count from the length
-                lag += int(client.xlen(stream)) - entries_read if unknown else int(g["lag"])
+                lag += int(answer(client.xlen(stream))) - entries_read if unknown else int(g["lag"])
                 break
         else:
-            lag += int(client.xlen(stream))
+            lag += int(answer(client.xlen(stream)))
     return read, pending, lag
 
 

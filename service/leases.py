@@ -49,6 +49,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from oomcast.model.wire import answer_async
+
 if TYPE_CHECKING:
     from oomcast.service.settings import Settings
 
@@ -312,7 +314,7 @@ class PartitionLeases:
         self._lapsed.clear()
         await self._release(held)
         try:
-            await self.client.eval(LEAVE, 1, replicas_key(self.prefix), self.token)
+            await answer_async(self.client.eval(LEAVE, 1, replicas_key(self.prefix), self.token))
         except (RedisError, OSError) as exc:
             log.warning(
                 "could not leave the replica set (%s); it forgets us in %gs", exc, self.ttl_s

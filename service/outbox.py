@@ -42,7 +42,7 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from oomcast.model.wire import Keys
+from oomcast.model.wire import Keys, answer_async
 
 DONE_KEPT_S = 2 * 86_400.0  # how long an ended id is remembered, at least
 TARGETS = ("webhook", "alertmanager")  # every kind of receiver deliveries may be owed to
@@ -348,7 +348,9 @@ class Outbox:
         keys = [self.key(target, k) for k in ("due", "items", "meta", "claims")]
         got = cast(
             list[bytes | str],
-            await self.client.eval(CLAIM, len(keys), *keys, now, now + claim_s, limit, token),
+            await answer_async(
+                self.client.eval(CLAIM, len(keys), *keys, now, now + claim_s, limit, token)
+            ),
         )
         out = []
         for i in range(0, len(got), 3):
@@ -365,15 +367,17 @@ class Outbox:
         d = claimed.delivery
         keys = [self.key(d.target, k) for k in ("due", "meta", "claims", "failing")]
         failing = "" if failed_at is None else failed_at
-        done = await self.client.eval(
-            RESCHEDULE,
-            len(keys),
-            *keys,
-            d.id,
-            claimed.token,
-            due_at,
-            claimed.progress.to_json(),
-            failing,
+        done = await answer_async(
+            self.client.eval(
+                RESCHEDULE,
+                len(keys),
+                *keys,
+                d.id,
+                claimed.token,
+                due_at,
+                claimed.progress.to_json(),
+                failing,
+            )
         )
         return bool(done)
 
@@ -387,8 +391,8 @@ class Outbox:
         keys.append(self.queue(t, delivery.order))
         # a keep-alive is never staged again, so its id need not be remembered
         remember = "0" if delivery.quiet else "1"
-        done = await self.client.eval(
-            FINISH, len(keys), *keys, delivery.id, now, self.done_kept_s, remember
+        done = await answer_async(
+            self.client.eval(FINISH, len(keys), *keys, delivery.id, now, self.done_kept_s, remember)
         )
         return bool(done)
 
@@ -398,7 +402,7 @@ class Outbox:
         out = {}
         for target in TARGETS:
             if target not in self.targets:
-                n = int(await self.client.hlen(self.key(target, "items")))
+                n = int(await answer_async(self.client.hlen(self.key(target, "items"))))
                 if n:
                     out[target] = n
         return out
@@ -421,7 +425,7 @@ class Outbox:
             if first_failing:
                 fid, since = first_failing[0]
                 th.failing_for_s = max(0.0, now - float(since))
-                meta = await self.client.hget(self.key(target, "meta"), _s(fid))
+                meta = await answer_async(self.client.hget(self.key(target, "meta"), _s(fid)))
                 th.last_error = Progress.from_json(meta or "").last_error
             out.targets[target] = th
         return out

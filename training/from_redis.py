@@ -23,7 +23,7 @@ import redis
 
 from oomcast.model.schema import Domain, Event, Record, Sample, SchemaError
 from oomcast.model.trace import write_trace
-from oomcast.model.wire import Keys, decode_event, decode_samples
+from oomcast.model.wire import Keys, answer, decode_event, decode_samples
 
 
 @dataclass
@@ -47,7 +47,7 @@ def _entries(
     """Every entry of a stream between two ids, a thousand at a time."""
     low = start
     while True:
-        batch = client.xrange(key, min=low, max=end, count=1000)
+        batch = answer(client.xrange(key, min=low, max=end, count=1000))
         if not batch:
             return
         for _entry_id, fields in batch:

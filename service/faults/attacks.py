@@ -22,7 +22,7 @@ from typing import Any, cast
 from urllib.parse import urlparse
 
 from oomcast.model.control import new_command, node_key, sign_command
-from oomcast.model.wire import encode_samples
+from oomcast.model.wire import answer, encode_samples
 from oomcast.service.faults import ledger
 from oomcast.service.faults.procs import read_status, wait_for
 from oomcast.service.faults.stage import (
@@ -234,7 +234,7 @@ def forged_sample(b: Bench, sc: Scenario) -> dict[str, Any]:
             _forged_entry(http_node, "gpu0", 1e300, 0.99, None),
         ]
         for fields in forged:
-            eid = sc.client.xadd(sc.keys.samples_for(fields["node"]), cast(Any, fields))
+            eid = answer(sc.client.xadd(sc.keys.samples_for(fields["node"]), cast(Any, fields)))
             sc.forged_entries.add(ledger._s(eid))
             for sample in json.loads(fields["samples"]):
                 sc.forged_samples.add((sample["node"], sample["device"], float(sample["ts"])))

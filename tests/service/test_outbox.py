@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -188,7 +189,43 @@ def test_a_worker_killed_mid_retry_leaves_it_owed_and_the_next_worker_delivers_i
     asyncio.run(second())
     assert taken(webhook_receiver) == Counter({d.id: 1})
     (record,) = delivery_records(rclient, key_prefix)
-    assert record["outcome"] == "delivered" and record["attempts"] >= 4  # counted across both
+    # The third request was seen, so the first worker had saved two attempts (a request goes
+    # out only after the last one's reschedule); its third may have died unsaved. The second
+    # worker's one makes at least 3, counted across both.
+    assert record["outcome"] == "delivered" and record["attempts"] >= 3
+
+
+def test_a_task_cancelled_mid_command_ends(redis_url: str, key_prefix: str) -> None:
+    """Every loop here (deliveries, ingest, leases) is stopped by cancelling it, at worst. Some
+    redis-py releases (8.0, 8.1) swallow a cancel that lands while a command connects or sends,
+    and the loop then runs on for good: a worker "killed" in the test above kept posting. So
+    cancel a task that claims in a loop, at random moments, many times: each must end."""
+
+    async def go() -> int:
+        client = aioredis.from_url(redis_url)
+        outbox = Outbox(client, Keys(key_prefix))
+        survived = 0
+        stop = False
+
+        async def claims() -> None:
+            while not stop:  # the flag only ends a task that ran on past its cancel
+                await outbox.claim("webhook", time.time(), claim_s=1.0, limit=1, worker="w")
+
+        rng = random.Random(7)
+        for _ in range(400):
+            task = asyncio.create_task(claims())
+            await asyncio.sleep(rng.uniform(0, 0.003))
+            task.cancel()
+            done, _ = await asyncio.wait([task], timeout=2.0)
+            if not done:
+                survived += 1
+                stop = True
+                await asyncio.wait([task], timeout=2.0)
+                break
+        await client.aclose()
+        return survived
+
+    assert asyncio.run(go()) == 0, "cancelled tasks ran on: is redis-py 8.0/8.1 installed?"
 
 
 def test_two_workers_on_one_outbox_never_post_the_same_delivery_twice(

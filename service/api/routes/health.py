@@ -11,6 +11,7 @@ from fastapi import APIRouter, Response
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from oomcast.model.wire import answer_async
 from oomcast.service.api.deps import Ctx, write_refusal
 from oomcast.service.context import ServiceContext
 
@@ -35,7 +36,7 @@ async def check_redis(ctx: ServiceContext) -> list[Check]:
     own, since a Redis at maxmemory (noeviction) or a read-only replica still answers PING
     while refusing every sample."""
     try:
-        await asyncio.wait_for(ctx.redis.ping(), timeout=CHECK_TIMEOUT_S)
+        await asyncio.wait_for(answer_async(ctx.redis.ping()), timeout=CHECK_TIMEOUT_S)
     except Exception as exc:  # any failure to answer means not ready
         problem = f"Redis: {type(exc).__name__}: {exc}"
         return [Check("redis", False, problem), Check("redis_writable", False, problem)]

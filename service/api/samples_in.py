@@ -33,8 +33,10 @@ EXAMPLE_SAMPLE: dict[str, JsonValue] = {
 }
 
 
-# No control characters (they would forge log lines), and not only whitespace.
-_NAME_PATTERN = r"^[^\u0000-\u001f\u007f]*[^\s\u0000-\u001f\u007f][^\u0000-\u001f\u007f]*$"
+# No control characters (they would forge log lines), and not only whitespace. U+0085 (NEL)
+# is whitespace to Python's str.strip(), which the service checks with, but not to an ECMA
+# regex's \s, which clients check with: so it is named here.
+_NAME_PATTERN = r"^[^\u0000-\u001f\u007f]*[^\s\u0000-\u001f\u007f\u0085][^\u0000-\u001f\u007f]*$"
 _JOB_PATTERN = r"^[^\u0000-\u001f\u007f]*$"
 _NAME: dict[str, JsonValue] = {
     "type": "string",

@@ -7,11 +7,17 @@ runs one batched call. The per-domain state is opaque to callers.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from oomcast.model.schema import Sample
+
+# A sample's embedding as a node sent it: a float32 row (``emb_f32``) or a list (``emb``).
+Embedding = list[float] | npt.NDArray[np.float32]
 
 # Horizons (seconds) at which every forecaster gives P(OOM within horizon).
 HORIZONS_S: tuple[int, ...] = (5, 15, 30, 60, 120, 300)
@@ -79,7 +85,7 @@ class Forecaster(Protocol):
         self,
         states: list[Any],
         samples: list[Sample],
-        embeddings: list[list[float] | None] | None = None,
+        embeddings: Sequence[Embedding | None] | None = None,
     ) -> list[Forecast]:
         """Advance ``states[i]`` by ``samples[i]``. ``embeddings[i]``, when given, is the
         sample's embedding as the node computed it (matching ``EMBEDDING_VERSION``)."""

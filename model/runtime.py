@@ -16,7 +16,7 @@ import binascii
 import json
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from oomcast.model.embedding import (
     EmbeddingState,
     finite_number,
 )
-from oomcast.model.forecast import AlertRule, Forecast, RiskRow, rule_fire_risk
+from oomcast.model.forecast import AlertRule, Embedding, Forecast, RiskRow, rule_fire_risk
 from oomcast.model.schema import Sample
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class OnnxForecaster:
         self,
         states: list[Slot],
         samples: list[Sample],
-        embeddings: list[list[float] | None] | None = None,
+        embeddings: Sequence[Embedding | None] | None = None,
     ) -> list[Forecast]:
         n = len(states)
         if n == 0:

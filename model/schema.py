@@ -14,6 +14,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import orjson
+
 KINDS = ("gpu", "host")
 # used/allocated/reserved/peak may exceed capacity a little (a cgroup overshoots its limit
 # before reclaim, NVML rounds); more than twice the capacity is a unit mix-up or garbage.
@@ -224,7 +226,16 @@ def parse_event(obj: dict[str, Any]) -> Event:
 
 def decode_json(raw: str | bytes, field: str = "") -> Any:
     """json.loads that turns every way text can fail to be JSON into a SchemaError: syntax,
-    bad UTF-8, numbers past Python's digit limit, nesting past the recursion limit."""
+    bad UTF-8, numbers past Python's digit limit, nesting past the recursion limit.
+
+    orjson first (several times faster: this is the ingest hot path); what it refuses (NaN,
+    integers past 64 bits, lone surrogates) goes to the standard parser, so that the caller
+    sees the same values, and the same errors, as before it: a sample with a 400-digit count
+    is refused by the sample's own checks, not the whole entry by the parser."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass
     try:
         return json.loads(raw)
     except json.JSONDecodeError as exc:

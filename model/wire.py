@@ -19,6 +19,8 @@ attested samples. The prefix keeps a sample signature from ever passing for a co
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import os
@@ -29,6 +31,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
+import numpy as np
+
+from oomcast.model.forecast import Embedding
 from oomcast.model.schema import (
     Event,
     Sample,
@@ -117,10 +122,18 @@ class Keys:
         return f"{self.prefix}:control:{{{node}}}"
 
 
-def sample_payload(sample: Sample, emb: list[float] | None, emb_v: int | None) -> dict[str, Any]:
+def sample_payload(
+    sample: Sample, emb: list[float] | None, emb_v: int | None, *, binary: bool = True
+) -> dict[str, Any]:
+    """A sample object for a stream entry, with its embedding: as ``emb_f32`` (the
+    default), or as the JSON list ``emb`` (6 decimals) with ``binary=False``."""
     obj = sample.to_dict()
     if emb is not None:
-        obj["emb"] = [round(x, 6) for x in emb]
+        if binary:
+            raw = np.asarray(emb, dtype="<f4").tobytes()
+            obj["emb_f32"] = base64.b64encode(raw).decode("ascii")
+        else:
+            obj["emb"] = [round(x, 6) for x in emb]
         obj["emb_v"] = emb_v
     return obj
 
@@ -202,7 +215,7 @@ def _json_field(fields: dict[Any, Any], key: str) -> Any:
 @dataclass(slots=True)
 class DecodedSample:
     sample: Sample
-    emb: list[float] | None
+    emb: Embedding | None
     emb_v: int | None
 
 
@@ -215,15 +228,60 @@ def _finite_number(x: Any) -> bool:
         return False
 
 
-def _embedding(obj: dict[str, Any]) -> tuple[list[float] | None, int | None]:
-    emb, emb_v = obj.get("emb"), obj.get("emb_v")
+def _emb_version(obj: dict[str, Any]) -> int:
+    emb_v = obj.get("emb_v")
+    if not isinstance(emb_v, int) or isinstance(emb_v, bool):
+        raise SchemaError("emb_v", f"must be an integer schema version, got {emb_v!r}")
+    return emb_v
+
+
+def _json_embedding(obj: dict[str, Any]) -> tuple[list[float] | None, int | None]:
+    emb = obj.get("emb")
     if emb is None:
         return None, None
     if not isinstance(emb, list) or not all(_finite_number(x) for x in emb):
         raise SchemaError("emb", "must be a list of finite numbers")
-    if not isinstance(emb_v, int) or isinstance(emb_v, bool):
-        raise SchemaError("emb_v", f"must be an integer schema version, got {emb_v!r}")
-    return [float(x) for x in emb], emb_v
+    return [float(x) for x in emb], _emb_version(obj)
+
+
+def _f32_bytes(text: Any) -> bytes:
+    """The raw bytes of an ``emb_f32`` field; SchemaError when it is not base64 of float32s."""
+    if not isinstance(text, str):
+        raise SchemaError("emb_f32", f"must be a base64 string, got {type(text).__name__}")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise SchemaError("emb_f32", "is not base64") from None
+    if not raw or len(raw) % 4:
+        raise SchemaError("emb_f32", f"holds {len(raw)} bytes, not a whole number of float32s")
+    return raw
+
+
+def _binary_embeddings(objs: list[Any]) -> dict[int, Embedding | SchemaError]:
+    """The ``emb_f32`` embeddings of an entry's samples, by index: decoded and checked for
+    finiteness all at once (one array for the entry, a row for each sample)."""
+    raws: dict[int, bytes] = {}
+    out: dict[int, Embedding | SchemaError] = {}
+    for i, obj in enumerate(objs):
+        if isinstance(obj, dict) and "emb_f32" in obj:
+            try:
+                raws[i] = _f32_bytes(obj["emb_f32"])
+            except SchemaError as exc:
+                out[i] = exc
+    if not raws:
+        return out
+    width = len(next(iter(raws.values())))
+    if all(len(r) == width for r in raws.values()):
+        rows = np.frombuffer(b"".join(raws.values()), dtype="<f4").reshape(len(raws), -1)
+        finite = np.isfinite(rows).all(axis=1).tolist()
+        for k, (i, ok) in enumerate(zip(raws, finite, strict=True)):
+            out[i] = rows[k] if ok else SchemaError("emb_f32", "must hold finite numbers")
+        return out
+    for i, raw in raws.items():  # embeddings of several widths in one entry: one by one
+        row = np.frombuffer(raw, dtype="<f4")
+        finite = bool(np.isfinite(row).all())
+        out[i] = row if finite else SchemaError("emb_f32", "must hold finite numbers")
+    return out
 
 
 def decode_samples(fields: dict[Any, Any]) -> list[DecodedSample | SchemaError]:
@@ -232,12 +290,21 @@ def decode_samples(fields: dict[Any, Any]) -> list[DecodedSample | SchemaError]:
     objs = _json_field(fields, "samples")
     if not isinstance(objs, list):
         raise SchemaError("samples", "must be a JSON list of sample objects")
+    binary = _binary_embeddings(objs)
     out: list[DecodedSample | SchemaError] = []
     for i, obj in enumerate(objs):
         try:
             if not isinstance(obj, dict):
                 raise SchemaError("", f"must be an object, got {type(obj).__name__}")
-            emb, emb_v = _embedding(obj)
+            emb: Embedding | None
+            emb_v: int | None
+            got = binary.get(i)
+            if got is None:
+                emb, emb_v = _json_embedding(obj)
+            elif isinstance(got, SchemaError):
+                raise got
+            else:
+                emb, emb_v = got, _emb_version(obj)
             out.append(DecodedSample(parse_sample(obj), emb, emb_v))
         except SchemaError as exc:
             out.append(SchemaError(f"samples[{i}].{exc.field}".rstrip("."), exc.message))

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from oomcast.model.forecast import Embedding as ForecastEmbedding
 from oomcast.model.schema import Event, Sample, SchemaError
 from oomcast.model.wire import DecodedSample, Keys, decode_event, decode_samples, entry_attested
 
@@ -21,7 +22,7 @@ Fields = Mapping[bytes | str, bytes | str]
 StreamEntries = Sequence[tuple[bytes | str, Fields | None]]
 DeadLetter = dict[str, bytes | str]
 KeyForNode = Callable[[str], str | None]
-Embedding = list[float] | None
+Embedding = ForecastEmbedding | None
 # One sample entry is one node's tick: a few KB for 8 GPUs. A field far past this is junk
 # (or an attack) that must not reach the JSON parser.
 MAX_ENTRY_BYTES = 4 * 1024 * 1024

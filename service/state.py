@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
+from oomcast.model.forecast import Embedding as ForecastEmbedding
 from oomcast.model.forecast import Forecast, Forecaster, release_state
 from oomcast.model.schema import Domain, Event, Sample, SchemaError
 from oomcast.service.device_query import DeviceFilter, DevicePage, RankCache, query_devices
@@ -118,7 +119,7 @@ class Applied:
     clock_resets: int = 0
 
 
-Embedding = list[float] | None
+Embedding = ForecastEmbedding | None
 RESYNC_SLACK_S = 5.0  # how far ahead of the service's clock a newest sample may honestly be
 
 

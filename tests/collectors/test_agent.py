@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import base64
 import json
 import threading
 from pathlib import Path
@@ -55,7 +56,7 @@ def test_one_entry_per_node_per_tick_with_embeddings(rclient: redis.Redis, key_p
     assert len(b) == 1
     first = json.loads(a[0][1][b"samples"])[0]
     assert first["emb_v"] == EMBEDDING_VERSION
-    assert len(first["emb"]) == N_FEATURES
+    assert len(base64.b64decode(first["emb_f32"])) == 4 * N_FEATURES  # float32, binary
     second = decode_samples(a[1][1])[0]
     assert second.emb is not None and second.emb[0] == 0.55  # used_frac
     assert second.emb[8] > 0  # growth since the previous tick of the same GPU

@@ -624,7 +624,7 @@ def test_cuda_ooms_become_one_event_each(
     assert hook.stats.ooms == 3
     # after an OOM the domain's history starts afresh, as the node agent does it; the sample
     # of the step that OOMed is the first after it
-    age = [d.emb[FEATURES.index("log1p_age_s")] for d in read_samples(rclient, hook) if d.emb]
+    age = [d.emb[FEATURES.index("log1p_age_s")] for d in read_samples(rclient, hook) if d.emb is not None]
     assert age[1] == 0.0 and age[2] > 0.0
     assert ooms[0]["ts"] < read_samples(rclient, hook)[1].sample.ts
 
@@ -647,7 +647,7 @@ def test_the_oom_event_is_queued_before_the_sample_after_it(
     assert queued_after == [[], ["oom"]]
     assert hook.close()
     assert [e["event"] for e in read_events(rclient, hook)] == ["oom"]
-    age = [d.emb[FEATURES.index("log1p_age_s")] for d in read_samples(rclient, hook) if d.emb]
+    age = [d.emb[FEATURES.index("log1p_age_s")] for d in read_samples(rclient, hook) if d.emb is not None]
     assert age[1] == 0.0  # embedded after the OOM reset the domain's history
 
 
@@ -679,7 +679,7 @@ def test_steps_during_a_publishing_round_leave_in_the_order_they_were_taken(
     assert hook.close()
     samples = read_samples(rclient, hook)
     assert len(samples) == 3
-    age = [d.emb[FEATURES.index("log1p_age_s")] for d in samples if d.emb]
+    age = [d.emb[FEATURES.index("log1p_age_s")] for d in samples if d.emb is not None]
     assert age[1] > 0.0  # the sample before the OOM continues the history
     assert age[2] == 0.0  # the one after it starts it afresh
     assert [e["event"] for e in read_events(rclient, hook)] == ["oom"]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
+import numpy as np
 import pytest
 
 from oomcast.model.embedding import EMBEDDING_VERSION, embed
@@ -117,10 +119,63 @@ def test_encode_samples_entry_fields() -> None:
 def test_sample_payload_rounds_emb_and_leaves_it_out_when_none() -> None:
     s = smp(job="j")
     assert sample_payload(s, None, None) == s.to_dict()
-    payload = sample_payload(s, [0.1234567891, 1.0], 3)
+    payload = sample_payload(s, [0.1234567891, 1.0], 3, binary=False)
     assert payload["emb"] == [0.123457, 1.0]
     assert payload["emb_v"] == 3
     assert payload["job"] == "j"
+    assert "emb_f32" not in payload
+
+
+def test_sample_payload_sends_the_embedding_as_float32_by_default() -> None:
+    emb = [0.1234567891, -1.5, 3e-8]
+    payload = sample_payload(smp(), emb, 3)
+    assert "emb" not in payload and payload["emb_v"] == 3
+    raw_bytes = base64.b64decode(payload["emb_f32"])
+    assert np.frombuffer(raw_bytes, "<f4").tolist() == np.asarray(emb, np.float32).tolist()
+    (d,) = decode_samples(encode_samples("n1", [payload]))
+    assert isinstance(d, DecodedSample) and d.emb_v == 3
+    assert d.emb is not None and np.asarray(d.emb).dtype == np.float32
+    assert np.asarray(d.emb).tolist() == np.asarray(emb, np.float32).tolist()  # exact
+
+
+def test_an_entry_may_mix_binary_json_and_missing_embeddings() -> None:
+    payloads = [
+        sample_payload(smp(), [0.5, 0.25], 1),
+        sample_payload(smp(device="gpu1"), [0.75], 1, binary=False),
+        sample_payload(smp(device="gpu2"), None, None),
+        sample_payload(smp(device="gpu3"), [1.0, 2.0, 3.0], 1),  # another width
+    ]
+    out = decode_samples(encode_samples("n1", payloads))
+    assert [np.asarray(d.emb).tolist() if isinstance(d, DecodedSample) and d.emb is not None
+            else None for d in out] == [[0.5, 0.25], [0.75], None, [1.0, 2.0, 3.0]]  # fmt: skip
+
+
+def f32(*values: float) -> str:
+    return base64.b64encode(np.asarray(values, "<f4").tobytes()).decode()
+
+
+@pytest.mark.parametrize(
+    ("emb_f32", "why"),
+    [
+        (f32(0.5, float("nan")), "finite"),
+        (f32(float("inf")), "finite"),
+        ("not base64!", "base64"),
+        (base64.b64encode(b"abc").decode(), "float32"),
+        ("", "float32"),
+        (12, "base64 string"),
+    ],
+)
+def test_a_bad_binary_embedding_costs_only_its_own_sample(emb_f32: Any, why: str) -> None:
+    good = sample_payload(smp(device="gpu1"), [0.5, 0.5], 1)
+    out = decode_samples(entry([good, raw(emb_f32=emb_f32, emb_v=1), good]))
+    assert isinstance(out[0], DecodedSample) and isinstance(out[2], DecodedSample)
+    assert isinstance(out[1], SchemaError) and out[1].field == "samples[1].emb_f32"
+    assert why in out[1].message
+
+
+def test_a_binary_embedding_needs_its_schema_version() -> None:
+    (err,) = decode_samples(entry([raw(emb_f32=f32(0.5), emb_v="4")]))
+    assert isinstance(err, SchemaError) and err.field == "samples[0].emb_v"
 
 
 def test_round_trip_with_embeddings() -> None:
@@ -129,7 +184,7 @@ def test_round_trip_with_embeddings() -> None:
     other = smp(T0 + 1, device="gpu1")
     emb = embed(cur, prev)
     payloads = [
-        sample_payload(cur, emb, EMBEDDING_VERSION),
+        sample_payload(cur, emb, EMBEDDING_VERSION, binary=False),
         sample_payload(other, None, None),
     ]
     decoded = decode_samples(encode_samples("n1", payloads))
@@ -156,7 +211,7 @@ def test_integer_emb_values_come_back_as_floats() -> None:
 
 
 def test_bytes_field_names_and_values_are_accepted() -> None:
-    payload = sample_payload(smp(), [0.5], 1)
+    payload = sample_payload(smp(), [0.5], 1, binary=False)
     text = encode_samples("n1", [payload])
     as_bytes = {k.encode(): v.encode() for k, v in text.items()}
     (d,) = decode_samples(as_bytes)

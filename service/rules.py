@@ -323,6 +323,13 @@ def evaluate(
     """Advance one rule's episode on one domain by one forecast; an alert on a transition."""
     if not rule.match.matches(sample, job):
         return None
+    return advance(ep, rule, sample, fc, job, now)
+
+
+def advance(
+    ep: Episode, rule: Rule, sample: Sample, fc: Forecast, job: str | None, now: float
+) -> Alert | None:
+    """``evaluate`` for a rule known to match the domain (the live state caches matches)."""
     if not ep.firing:
         return _maybe_fire(ep, rule, sample, fc, job, now)
     ep.below = ep.below + 1 if rule.calm(fc) else 0

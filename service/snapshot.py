@@ -28,7 +28,6 @@ import binascii
 import json
 import logging
 import math
-from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -39,9 +38,10 @@ import redis.asyncio as aioredis
 from oomcast.model.embedding import EMBEDDING_VERSION, sample_dict
 from oomcast.model.forecast import Forecast, Forecaster, export_state, import_state
 from oomcast.model.schema import Domain, parse_sample
+from oomcast.service.history import History
 from oomcast.service.leases import lease_key
 from oomcast.service.rules import Episode
-from oomcast.service.state import DomainState, HistoryPoint, LiveState
+from oomcast.service.state import DomainState, LiveState
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def encode(
 ) -> bytes:
     """``st`` as a blob: JSON behind a versioned magic prefix. Not compressed: zlib would
     save 40% of the bytes for a third more CPU, and the service's CPU is what is scarce."""
-    points = list(st.history)[-history_points:] if history_points > 0 else []
+    points = st.history.columns(history_points) if history_points > 0 else None
     fc = st.forecast
     body: dict[str, Any] = {
         "v": SNAPSHOT_VERSION,
@@ -150,17 +150,16 @@ def _forecast(data: Any) -> Forecast | None:
     )
 
 
-def _encode_history(points: list[HistoryPoint]) -> dict[str, Any]:
+def _encode_history(points: dict[str, np.ndarray] | None) -> dict[str, Any]:
     """Columns as base64 little-endian arrays: a JSON list of floats costs more to write
     than everything else in a blob together. Times and risks are float64 (exact; NaN for
     no time to OOM), byte counts int64."""
-    n = len(points)
-    floats = np.empty((3, n), "<f8")
-    ints = np.empty((2, n), "<i8")
-    for i, p in enumerate(points):
-        tto = p.time_to_oom_s
-        floats[:, i] = (p.ts, p.risk, math.nan if tto is None else tto)
-        ints[:, i] = (p.used_bytes, p.total_bytes)
+    if points is None:
+        floats, ints, n = np.empty((3, 0), "<f8"), np.empty((2, 0), "<i8"), 0
+    else:
+        n = len(points["ts"])
+        floats = np.stack([points["ts"], points["risk"], points["tto"]]).astype("<f8")
+        ints = np.stack([points["used"], points["total"]]).astype("<i8")
     return {
         "n": n,
         "f8": base64.b64encode(floats.tobytes()).decode("ascii"),
@@ -168,7 +167,7 @@ def _encode_history(points: list[HistoryPoint]) -> dict[str, Any]:
     }
 
 
-def _history(data: Mapping[str, Any], maxlen: int) -> deque[HistoryPoint]:
+def _history(data: Mapping[str, Any], maxlen: int) -> History:
     n = data["n"]
     if not isinstance(n, int) or n < 0:
         raise SnapshotError(f"snapshot history n: must be a count, got {n!r}")
@@ -181,10 +180,10 @@ def _history(data: Mapping[str, Any], maxlen: int) -> deque[HistoryPoint]:
         raise SnapshotError(f"snapshot history: arrays do not hold {n} points")
     ts, risk, tto = floats.reshape(3, n).tolist()
     used, total = ints.reshape(2, n).tolist()
-    out: deque[HistoryPoint] = deque(maxlen=maxlen)
-    for i in range(n):
+    out = History(maxlen)
+    for i in range(max(0, n - maxlen), n):
         t = tto[i]
-        out.append(HistoryPoint(ts[i], used[i], total[i], risk[i], None if math.isnan(t) else t))
+        out.append(ts[i], used[i], total[i], risk[i], None if math.isnan(t) else t)
     return out
 
 
@@ -271,19 +270,21 @@ def _restore(
 
 # --- Redis ------------------------------------------------------------------------------
 
-# HSET (and refresh the TTL) only while the partition's lease holds the writer's token.
+# HSET (and refresh the TTL) only while the partition's lease holds the writer's token. KEYS:
+# the partition's snapshot hash and its lease, one Cluster slot (the {<p>} hash tag). One
+# HSET (HDEL) for the whole chunk: a call per field cost Redis a command per domain.
 FENCED_HSET = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
-for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 FENCED_HDEL = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
-for i = 2, #ARGV do redis.call('HDEL', KEYS[1], ARGV[i]) end
+redis.call('HDEL', KEYS[1], unpack(ARGV, 2))
 return 1
 """
-CHUNK = 500  # fields per command
+CHUNK = 500  # fields per command (well within what Lua's unpack takes: about 8,000 values)
 RESTORE_CHUNK = 100  # domains restored between two yields to the event loop
 
 

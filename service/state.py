@@ -10,7 +10,6 @@ it and handles Redis and deliveries itself.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
@@ -19,23 +18,15 @@ from oomcast.model.forecast import Embedding as ForecastEmbedding
 from oomcast.model.forecast import Forecast, Forecaster, release_state
 from oomcast.model.schema import Domain, Event, Sample, SchemaError
 from oomcast.service.device_query import DeviceFilter, DevicePage, RankCache, query_devices
-from oomcast.service.rules import Alert, Episode, Rule, end_episode, evaluate, still_firing
-
-
-@dataclass(slots=True)
-class HistoryPoint:
-    ts: float
-    used_bytes: int
-    total_bytes: int
-    risk: float  # at the alert rule's horizon
-    time_to_oom_s: float | None
+from oomcast.service.history import History
+from oomcast.service.rules import Alert, Episode, Rule, advance, end_episode, still_firing
 
 
 @dataclass
 class DomainState:
     domain: Domain
     forecaster_state: Any
-    history: deque[HistoryPoint]
+    history: History
     last: Sample | None = None
     forecast: Forecast | None = None
     samples_seen: int = 0
@@ -52,6 +43,9 @@ class DomainState:
     # run of them, in order among themselves, means the newest was bogus or the clock moved.
     behind: int = 0
     behind_ts: float = 0.0
+    # Which of the rules match the domain, and the (kind, job) that was computed for.
+    rule_key: tuple[str, str | None] | None = None
+    rule_matches: tuple[bool, ...] = ()
 
     def summary(self, horizon_s: int) -> dict[str, Any]:
         s, f = self.last, self.forecast
@@ -91,12 +85,7 @@ class DomainState:
 
 def _seen_before(st: DomainState, sample: Sample) -> bool:
     """A redelivered sample matches one already in the domain's history."""
-    for point in reversed(st.history):
-        if point.ts < sample.ts:
-            return False
-        if point.ts == sample.ts and point.used_bytes == sample.used_bytes:
-            return True
-    return False
+    return st.history.seen(sample.ts, sample.used_bytes)
 
 
 class Rejected(NamedTuple):
@@ -163,7 +152,7 @@ class LiveState:
     def _state(self, domain: Domain) -> DomainState:
         st = self.domains.get(domain)
         if st is None:
-            st = DomainState(domain, self.forecaster.init_state(), deque(maxlen=self.history_len))
+            st = DomainState(domain, self.forecaster.init_state(), History(self.history_len))
             self.domains[domain] = st
         return st
 
@@ -320,17 +309,29 @@ class LiveState:
         )
         for (st, sample, _, attested), fc in zip(batch, forecasts, strict=True):
             self._record(st, sample, fc, now)
-            for rule in self.rules:
-                ep = st.episodes.get(rule.name)
+            episodes = st.episodes
+            for rule, matched in zip(self.rules, self._matches(st, sample), strict=True):
+                ep = episodes.get(rule.name)
                 if ep is None:
-                    ep = st.episodes[rule.name] = Episode()
-                alert = evaluate(ep, rule, sample, fc, st.job, now)
+                    ep = episodes[rule.name] = Episode()
+                if not matched or (not ep.firing and not ep.above and not rule.fires(fc)):
+                    continue  # nothing can change: a quiet episode stays quiet
+                alert = advance(ep, rule, sample, fc, st.job, now)
                 if alert is not None:
                     refused = self.why_unattested(st, attested, now)
                     if refused is not None:
                         alert = replace(alert, unattested=refused)
                     result.alerts.append(alert)
             result.forecasts.append((st, fc))
+
+    def _matches(self, st: DomainState, sample: Sample) -> tuple[bool, ...]:
+        """Which rules apply to the domain, for its kind and job: matched once per change of
+        either, not by pattern on every sample."""
+        key = (sample.kind, st.job)
+        if st.rule_key != key:
+            st.rule_key = key
+            st.rule_matches = tuple(r.match.matches(sample, st.job) for r in self.rules)
+        return st.rule_matches
 
     def _record(self, st: DomainState, sample: Sample, fc: Forecast, now: float) -> None:
         st.forecast = fc
@@ -339,13 +340,11 @@ class LiveState:
         if sample.job is not None:
             st.job = sample.job
         st.history.append(
-            HistoryPoint(
-                sample.ts,
-                sample.used_bytes,
-                sample.total_bytes,
-                fc.risk_at(self.horizon_s),
-                fc.time_to_oom_s,
-            )
+            sample.ts,
+            sample.used_bytes,
+            sample.total_bytes,
+            fc.risk_at(self.horizon_s),
+            fc.time_to_oom_s,
         )
 
     def on_event(self, event: Event, now: float) -> list[Alert]:

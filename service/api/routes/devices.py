@@ -129,7 +129,7 @@ async def get_device(
     if st is None or st.forecast is None:
         raise HTTPException(404, f"no live domain {node}/{device}")
     horizon = ctx.live.horizon_s
-    points = list(st.history)[-history:] if history else []
+    points = st.history.points(history) if history else []
     out = st.summary(horizon)
     out["history"] = [
         {

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
+import orjson
 import redis.asyncio as aioredis
 
 from oomcast.model.embedding import EMBEDDING_VERSION, sample_dict
@@ -106,7 +107,8 @@ def encode(
         "episodes": {name: ep.to_dict() for name, ep in st.episodes.items()},
         "scalars": {name: getattr(st, name) for name in SCALAR_FIELDS},
     }
-    return MAGIC + json.dumps(body, separators=(",", ":")).encode()
+    # orjson: the same JSON (no NaN can be in it: no time to OOM is null), a third the cost
+    return MAGIC + orjson.dumps(body)
 
 
 def _body(blob: bytes) -> dict[str, Any]:

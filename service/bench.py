@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,7 @@ def _bench(
         )
         for st in states:
             fc.release(st)
+        out[f"service_path_us_per_sample_{n}"] = _service_path(fc, n, seconds)
     # POST /v1/predict: a 300-sample window, embedded and run in one call from a zero state;
     # and the same window stepped sample by sample, for comparison
     window = [_samples(1, t)[0] for t in range(300)]
@@ -124,3 +126,37 @@ def _stepped(fc: OnnxForecaster, window: list[Sample]) -> None:
     for s in window:
         fc.step([st], [s])
     fc.release(st)
+
+
+def _service_path(fc: OnnxForecaster, n: int, seconds: float) -> float:
+    """Microseconds per sample through ``LiveState.apply``, as ingest calls it: n domains a
+    round, each with the float32 embedding row its node sent (decoded from ``emb_f32``),
+    the default rules run on every forecast, the history ring written."""
+    from oomcast.service.rulefile import DEFAULT_RULES, load_rules
+    from oomcast.service.rules import AlertPolicy
+    from oomcast.service.state import LiveState, tune_gc
+
+    tune_gc()  # as oomcast serve does
+    policy = AlertPolicy(fc.rule.horizon_s, fc.rule.fire_risk, fc.rule.fire_risk / 2)
+    live = LiveState(fc, load_rules(DEFAULT_RULES, policy), horizon_s=policy.horizon_s)
+    rounds: list[tuple[list[Sample], list[np.ndarray]]] = []
+    t = 0
+    emb = [EmbeddingState() for _ in range(n)]
+    while len(rounds) < 8:
+        batch = _samples(n, t)
+        rows = [np.asarray(emb[i].embed(s), dtype="<f4") for i, s in enumerate(batch)]
+        rounds.append((batch, rows))
+        t += 1
+    done, t0, signed = 0, time.perf_counter(), [True] * n
+    while time.perf_counter() - t0 < seconds or done < len(rounds):
+        batch, rows = rounds[done % len(rounds)]
+        shift = 8.0 * (done // len(rounds))  # every round later than the last one
+        live.apply([replace(s, ts=s.ts + shift) for s in batch], 0.0, rows, signed)
+        done += 1
+    took = time.perf_counter() - t0
+    # the replace() above is the bench's, not the service's: time it alone and take it off
+    t1 = time.perf_counter()
+    for k in range(done):
+        [replace(s, ts=s.ts + 1.0) for s in rounds[k % len(rounds)][0]]
+    took -= time.perf_counter() - t1
+    return round(took / (done * n) * 1e6, 3)

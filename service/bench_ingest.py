@@ -210,16 +210,40 @@ class Run:
     env: dict[str, str]
     fleet: Fleet
     group: str = "oomcast-service"
-    service: Service | None = None
+    replicas: int = 1
+    services: list[Service] = field(default_factory=list)
 
-    def start_service(self) -> Service:
-        self.service = start_service(self.procs, "ingest", self.env)
-        return self.service
+    def start_services(self) -> list[Service]:
+        """``replicas`` services; with more than one, each owns a fixed, contiguous share of
+        the partitions (as a StatefulSet pins them), so none waits for a lease to move."""
+        n, parts = self.replicas, self.keys.partitions
+        for k in range(n):
+            env = dict(self.env, OOMCAST_CONSUMER_NAME=f"bench-ingest-{k}")
+            if n > 1:
+                lo, hi = k * parts // n, (k + 1) * parts // n - 1
+                env["OOMCAST_PARTITIONS_OWNED"] = f"{lo}-{hi}"
+            self.services.append(start_service(self.procs, f"ingest-{k}", env))
+        return self.services
 
-    def svc(self) -> Service:
-        if self.service is None:
-            raise IngestBenchError("the service is not running")
-        return self.service
+    def alive(self) -> bool:
+        return bool(self.services) and all(s.alive() for s in self.services)
+
+    def cpu_s(self) -> float:
+        return sum(cpu_seconds(s.pid) for s in self.services)
+
+    def rss(self) -> float:
+        return round(sum(rss_mb(s.pid) for s in self.services), 1)
+
+    def metric(self, name: str) -> float:
+        return sum(s.metrics().get(name, 0.0) for s in self.services)
+
+    def latency(self) -> list[tuple[float, float]]:
+        """The services' latency histograms, bucket by bucket, summed."""
+        total: dict[float, float] = {}
+        for s in self.services:
+            for le, n in latency_buckets(s.metrics()):
+                total[le] = total.get(le, 0.0) + n
+        return sorted(total.items())
 
     def has_group(self, stream: str) -> bool:
         try:
@@ -230,11 +254,11 @@ class Run:
 
     def drained(self) -> bool:
         _, pending, lag = group_progress(self.client, self.keys.all_samples(), self.group)
-        return pending == 0 and lag == 0 and self.svc().alive()
+        return pending == 0 and lag == 0 and self.alive()
 
 
 @contextmanager
-def bench_run(domains: int, partitions: int) -> Iterator[Run]:
+def bench_run(domains: int, partitions: int, replicas: int = 1) -> Iterator[Run]:
     """A private Redis, the fleet, and the service's environment; every process and the
     temporary folder gone on the way out."""
     logs = Path(tempfile.mkdtemp(prefix="oomcast-bench-ingest-"))
@@ -251,7 +275,8 @@ def bench_run(domains: int, partitions: int) -> Iterator[Run]:
             OOMCAST_PARTITIONS=str(partitions),
             OOMCAST_CONTROL_SECRET=secret,
         )
-        yield Run(procs, server, server.client(), keys, env, Fleet(domains, secret))
+        fleet = Fleet(domains, secret)
+        yield Run(procs, server, server.client(), keys, env, fleet, replicas=replicas)
     except IngestBenchError:
         raise
     except FaultBenchError as exc:
@@ -277,18 +302,40 @@ def _write(run: Run, batch: list[tuple[int, float]], maxlen: int | None) -> int:
     return n
 
 
+def redis_load(client: redis.Redis) -> tuple[int, float]:
+    """Commands Redis has run, and the CPU seconds it has used, since it started."""
+    stats: Any = client.info("commandstats")
+    cpu: Any = client.info("cpu")
+    calls = sum(int(v["calls"]) for v in stats.values() if isinstance(v, dict))
+    return calls, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
+
+def _redis_figures(
+    before: tuple[int, float], after: tuple[int, float], samples: int, wall: float
+) -> dict[str, Any]:
+    """What the service's side of the work cost Redis: commands per sample (the agents'
+    writes excluded: they were counted before ``before``, or are in ``writes``) and Redis's
+    CPU over the window."""
+    calls, cpu = after[0] - before[0], after[1] - before[1]
+    return {
+        "redis_calls_per_1k_samples": round(1000 * calls / max(samples, 1), 1),
+        "redis_cpu_pct": round(100 * cpu / max(wall, 1e-6), 1),
+    }
+
+
 def _common(run: Run, written: int, entries: int) -> dict[str, Any]:
-    m = run.svc().metrics()
     return {
         "domains": run.fleet.domains,
         "nodes": len(run.fleet.nodes),
         "gpus_per_node": GPUS_PER_NODE,
         "partitions": run.keys.partitions,
+        "replicas": run.replicas,
         "signed": True,
         "entries_written": entries,
         "samples_written": written,
-        "samples_ingested": int(m.get(INGESTED, 0)),
-        "deadletters": int(m.get(DEADLETTERS, 0)),
+        "samples_ingested": int(run.metric(INGESTED)),
+        "samples_ingested_per_replica": [int(s.metrics().get(INGESTED, 0)) for s in run.services],
+        "deadletters": int(run.metric(DEADLETTERS)),
     }
 
 
@@ -306,9 +353,10 @@ def drain(run: Run, seconds: float, timeout_s: float) -> dict[str, Any]:
     streams = run.keys.all_samples()
     for stream in streams:
         run.client.xgroup_create(stream, run.group, id="$", mkstream=True)
-    svc = run.start_service()
-    rss_start = rss_mb(svc.pid)
-    cpu0, t0 = cpu_seconds(svc.pid), time.monotonic()
+    run.start_services()
+    rss_start = run.rss()
+    load0 = redis_load(run.client)
+    cpu0, t0 = run.cpu_s(), time.monotonic()
     for stream in streams:
         run.client.xgroup_setid(stream, run.group, "0", entries_read=0)
     # one more tick wakes the service's blocked XREADGROUP (a rewind alone does not)
@@ -316,17 +364,18 @@ def drain(run: Run, seconds: float, timeout_s: float) -> dict[str, Any]:
     entries += 1
     deadline = t0 + timeout_s
     while True:
-        now, cpu = time.monotonic(), cpu_seconds(svc.pid)
+        now, cpu = time.monotonic(), run.cpu_s()
         read, pending, lag = group_progress(run.client, streams, run.group)
         if pending == 0 and lag == 0:
             break
-        if not svc.alive() or now > deadline:
+        if not run.alive() or now > deadline:
             raise IngestBenchError(
                 f"the service acknowledged {read - pending} of {entries} entries in"
-                f" {timeout_s:.0f} s" + ("" if svc.alive() else " and died (serve-ingest.log)")
+                f" {timeout_s:.0f} s" + ("" if run.alive() else " and died (serve-ingest-*.log)")
             )
         time.sleep(POLL_S)
     wall = max(now - t0, 1e-6)
+    load1 = redis_load(run.client)
     out: dict[str, Any] = {"mode": "drain", "seconds_prefilled": ticks / DRAIN_HZ}
     out |= _common(run, written, entries)
     out |= {
@@ -336,10 +385,12 @@ def drain(run: Run, seconds: float, timeout_s: float) -> dict[str, Any]:
         f" every {POLL_S * 1000:.0f} ms",
         "cpu_pct": round(100 * (cpu - cpu0) / wall, 1),
         "rss_mb_start": rss_start,
-        "rss_mb_end": rss_mb(svc.pid),
+        "rss_mb_end": run.rss(),
         "p50_ms": None,
         "p99_ms": None,
     }
+    # the bench's own polling (3 commands a stream every 50 ms) is in these too
+    out |= _redis_figures(load0, load1, written, wall)
     return out
 
 
@@ -375,25 +426,25 @@ def produce(
 
 
 def rated(run: Run, rate: float, seconds: float, soak: bool, timeout_s: float) -> dict[str, Any]:
-    svc = run.start_service()
+    run.start_services()
     streams = run.keys.all_samples()
     if not wait_for(lambda: all(run.has_group(s) for s in streams), 30):
         raise IngestBenchError("the service did not create its consumer groups in 30 s")
-    before = latency_buckets(svc.metrics())
-    rss_start, cpu0, t0 = rss_mb(svc.pid), cpu_seconds(svc.pid), time.monotonic()
+    before = run.latency()
+    rss_start, cpu0, t0 = run.rss(), run.cpu_s(), time.monotonic()
     series: list[list[float]] = [[0.0, rss_start]]
 
     def record(elapsed: float) -> None:
         if soak and elapsed >= len(series) * SOAK_EVERY_S:
-            series.append([round(elapsed, 1), rss_mb(svc.pid)])
+            series.append([round(elapsed, 1), run.rss()])
 
     written, entries, took = produce(run, rate, seconds, record)
     backlog = group_progress(run.client, streams, run.group)[2]
     if not wait_for(run.drained, timeout_s):
         raise IngestBenchError(f"the service had not caught up {timeout_s:.0f} s after the run")
     wall = time.monotonic() - t0
-    cpu = cpu_seconds(svc.pid) - cpu0
-    after = latency_buckets(svc.metrics())
+    cpu = run.cpu_s() - cpu0
+    after = run.latency()
     base = dict(before)
     delta = [(le, n - base.get(le, 0.0)) for le, n in after]
     p50, p99 = histogram_quantile(0.5, delta), histogram_quantile(0.99, delta)
@@ -413,7 +464,7 @@ def rated(run: Run, rate: float, seconds: float, soak: bool, timeout_s: float) -
         "latency_samples": int(delta[-1][1]) if delta else 0,
         "cpu_pct": round(100 * cpu / wall, 1),
         "rss_mb_start": rss_start,
-        "rss_mb_end": rss_mb(svc.pid),
+        "rss_mb_end": run.rss(),
     }
     if soak:
         series.append([round(wall, 1), out["rss_mb_end"]])
@@ -428,6 +479,7 @@ def bench_ingest(
     soak: bool = False,
     partitions: int = 4,
     timeout_s: float = 600.0,
+    replicas: int = 1,
 ) -> dict[str, Any]:
     """Run one measurement (see the module docstring) and return its figures."""
     if domains < 1 or seconds <= 0 or partitions < 1:
@@ -435,11 +487,16 @@ def bench_ingest(
             f"bench ingest: --domains ({domains}) and --partitions ({partitions}) must be at"
             f" least 1 and --seconds ({seconds:g}) positive"
         )
+    if not 1 <= replicas <= partitions:
+        raise ValueError(
+            f"bench ingest: --replicas {replicas} must be between 1 and --partitions"
+            f" ({partitions}): a replica without a partition reads nothing"
+        )
     if rate is not None and rate <= 0:
         raise ValueError(f"bench ingest: --rate {rate:g} must be positive")
     if soak and rate is None:
         rate = SOAK_DEFAULT_RATE
-    with bench_run(domains, partitions) as run:
+    with bench_run(domains, partitions, replicas) as run:
         if rate is None:
             return drain(run, seconds, timeout_s)
         return rated(run, rate, seconds, soak, timeout_s)

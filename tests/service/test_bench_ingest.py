@@ -12,7 +12,7 @@ import pytest
 from support import oomcast_cmd
 
 from oomcast.model.wire import decode_samples
-from oomcast.service.bench_ingest import Fleet, histogram_quantile
+from oomcast.service.bench_ingest import Fleet, bench_ingest, histogram_quantile
 
 needs_redis_server = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="the bench starts a private redis-server"
@@ -78,6 +78,22 @@ def test_a_tiny_drain_is_timed_and_every_sample_is_accounted_for() -> None:
     assert r["samples_ingested"] == r["samples_written"]
     assert r["deadletters"] == 0
     assert isinstance(r["rss_mb_start"], float) and r["rss_mb_start"] > 0
+
+
+@pytest.mark.slow
+@needs_redis_server
+def test_two_replicas_split_the_partitions_and_drain_every_sample_once() -> None:
+    r = bench_ingest(domains=64, seconds=2.0, partitions=4, replicas=2)
+    assert r["replicas"] == 2
+    each = r["samples_ingested_per_replica"]
+    assert len(each) == 2 and all(n > 0 for n in each), each  # both had partitions
+    assert sum(each) == r["samples_ingested"] == r["samples_written"]  # none twice, none lost
+    assert r["redis_calls_per_1k_samples"] > 0 and r["redis_cpu_pct"] >= 0
+
+
+def test_more_replicas_than_partitions_are_refused() -> None:
+    with pytest.raises(ValueError, match="--replicas 5"):
+        bench_ingest(domains=8, seconds=1.0, partitions=4, replicas=5)
 
 
 @pytest.mark.slow

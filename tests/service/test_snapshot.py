@@ -326,3 +326,22 @@ def test_a_damaged_baseline_state_is_a_cold_start_too(caplog: pytest.LogCaptureF
         with caplog.at_level(logging.WARNING, logger="oomcast.service.snapshot"):
             assert new.restore(_blob({**body, "forecaster": damaged})) is None
         assert "starts cold" in caplog.text
+
+
+def test_domains_that_fall_due_together_are_spread_over_batches() -> None:
+    from oomcast.service.snapshot import MIN_PER_BATCH
+
+    sched = SnapshotSchedule(every_s=5.0, share=0.25)
+    domains = [("n", f"gpu{i}") for i in range(1000)]
+    first = sched.pick(domains, [], now=0.0)
+    assert len(first) == 250  # a quarter of the batch, not all 1,000 at once
+    urgent = domains[900]  # an alert's domain is never held back
+    second = sched.pick(domains, [urgent], now=0.1)
+    assert second[0] == urgent and len(second) == 251
+    taken = set(first) | set(second)
+    for k in range(2, 6):
+        taken |= set(sched.pick(domains, [], now=0.1 * k))
+    assert taken == set(domains)  # every domain had its turn within a few batches
+    assert len(sched.pick(domains[:10], [], now=0.7)) == 0  # none due again yet
+    few = [("m", f"gpu{i}") for i in range(MIN_PER_BATCH)]
+    assert len(sched.pick(few[:3], [], now=1.0)) == 3  # small batches are not held back

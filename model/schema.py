@@ -12,7 +12,7 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -168,7 +168,72 @@ def _count(obj: dict[str, Any], key: str, *, required: bool) -> int | None:
     return value
 
 
+# Names already found good (node, device and job names repeat on every tick): checked once.
+# Bounded: emptied when full, so a flood of new names costs checks, not memory.
+_GOOD_NAMES: set[str] = set()
+_GOOD_NAMES_MAX = 200_000
+
+
+def _good_name(value: object, *, blank_ok: bool = False) -> bool:
+    """Whether ``value`` passes ``_name`` (or, ``blank_ok``, ``_optional_str``) as it is."""
+    if type(value) is not str:
+        return False
+    if value in _GOOD_NAMES:
+        return True
+    if (
+        len(value) > MAX_NAME_CHARS
+        or (not blank_ok and (not value or value.isspace()))
+        or _CONTROL_CHARS.search(value)
+    ):
+        return False
+    if not blank_ok:  # a blank job name is good only as a job name
+        if len(_GOOD_NAMES) >= _GOOD_NAMES_MAX:
+            _GOOD_NAMES.clear()
+        _GOOD_NAMES.add(value)
+    return True
+
+
+def _fast_sample(obj: dict[str, Any]) -> Sample | None:
+    """The sample, when ``obj`` is as agents write it (float ts, int counts, names of plain
+    text) and valid; None sends it down the field-by-field checks, which say what is wrong.
+    Accepts exactly what those accept, for what it handles: the ingest hot path."""
+    get = obj.get
+    ts, node, device, kind = get("ts"), get("node"), get("device"), get("kind")
+    total, used = get("total_bytes"), get("used_bytes")
+    if (
+        type(ts) is not float
+        or not 0.0 < ts < math.inf
+        or (kind != "gpu" and kind != "host")
+        or type(total) is not int
+        or not 0 < total <= MAX_COUNT
+        or type(used) is not int
+        or not 0 <= used <= MAX_COUNT
+        or used > SANITY_FACTOR * total
+        or not _good_name(node)
+        or not _good_name(device)
+    ):
+        return None
+    bound = SANITY_FACTOR * total
+    alloc, reserved, peak = get("allocated_bytes"), get("reserved_bytes"), get("peak_bytes")
+    for v in (alloc, reserved, peak):
+        if v is not None and (type(v) is not int or not 0 <= v <= MAX_COUNT or v > bound):
+            return None
+    retries, job = get("alloc_retries"), get("job")
+    if retries is not None and (type(retries) is not int or not 0 <= retries <= MAX_COUNT):
+        return None
+    if job is not None and not _good_name(job, blank_ok=True):
+        return None
+    node, device = cast(str, node), cast(str, device)
+    return Sample(ts, node, device, kind, total, used, alloc, reserved, peak, retries, job)
+
+
 def parse_sample(obj: dict[str, Any]) -> Sample:
+    fast = _fast_sample(obj)
+    return fast if fast is not None else _checked_sample(obj)
+
+
+def _checked_sample(obj: dict[str, Any]) -> Sample:
+    """Field by field, each check naming its field when it fails."""
     ts = _ts(obj)
     node = _name(obj, "node")
     device = _name(obj, "device")

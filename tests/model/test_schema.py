@@ -359,3 +359,91 @@ def test_to_dict_writes_every_field_of_a_sample_in_declaration_order() -> None:
     )  # fmt: skip
     assert list(full.to_dict()) == [f.name for f in dataclasses.fields(Sample)]
     assert full.to_dict() == dataclasses.asdict(full)
+
+
+# --- the fast path of parse_sample takes exactly what the field-by-field checks take --------
+
+from hypothesis import given  # noqa: E402
+from hypothesis import settings as hsettings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from oomcast.model.schema import (  # noqa: E402
+    MAX_COUNT,
+    _checked_sample,
+    _fast_sample,
+)
+
+_NAMES = st.one_of(
+    st.sampled_from(["n1", "gpu0", "cgroup:/kubepods/x", "", " ", "\t", "a\nb", "\x85", "é"]),
+    st.text(max_size=8),
+    st.text(min_size=510, max_size=514, alphabet="ab"),  # around the length limit
+    st.integers(),
+    st.none(),
+    st.lists(st.integers(), max_size=1),
+)
+_COUNTS = st.one_of(
+    st.integers(min_value=-2, max_value=3),
+    st.sampled_from([0, 10, 2**40, MAX_COUNT, MAX_COUNT + 1, 2**70]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=2),
+)
+_TS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(min_value=-1, max_value=2),
+    st.sampled_from([1.7e9, 1e308, -0.0, 0.0]),
+    st.booleans(),
+    st.none(),
+)
+
+
+@st.composite
+def _objects(draw: st.DrawFn) -> dict[str, object]:
+    fields = {
+        "ts": _TS,
+        "node": _NAMES,
+        "device": _NAMES,
+        "kind": st.sampled_from(["gpu", "host", "tpu", 1, None]),
+        "total_bytes": _COUNTS,
+        "used_bytes": _COUNTS,
+        "allocated_bytes": _COUNTS,
+        "reserved_bytes": _COUNTS,
+        "peak_bytes": _COUNTS,
+        "alloc_retries": _COUNTS,
+        "job": _NAMES,
+    }
+    # a sample as an agent writes it, with one to three fields drawn from the odd values
+    # above or left out: near misses, which is where a fast path goes wrong
+    obj = {"ts": 1.7e9, "node": "n1", "device": "gpu0", "kind": "gpu", "total_bytes": 100}
+    obj |= {"used_bytes": 50, "allocated_bytes": 40, "reserved_bytes": 45, "peak_bytes": 60}
+    obj |= {"alloc_retries": 0, "job": "j"}
+    for key in draw(st.lists(st.sampled_from(sorted(fields)), min_size=1, max_size=3)):
+        if draw(st.integers(0, 5)) == 0:
+            obj.pop(key, None)
+        else:
+            obj[key] = draw(fields[key])
+    return obj
+
+
+def _checked(obj: dict[str, object]) -> object:
+    try:
+        return _checked_sample(obj)
+    except SchemaError:
+        return "refused"
+
+
+@hsettings(max_examples=3000, deadline=None)
+@given(_objects())
+def test_the_fast_path_takes_only_what_the_checks_take_and_builds_the_same_sample(
+    obj: dict[str, object],
+) -> None:
+    fast = _fast_sample(obj)
+    if fast is not None:
+        assert _checked(obj) == fast
+
+
+def test_the_fast_path_takes_what_agents_write() -> None:
+    obj = {"ts": 1.7e9, "node": "n1", "device": "gpu0", "kind": "gpu", "total_bytes": 80}
+    obj |= {"used_bytes": 40, "allocated_bytes": 30, "peak_bytes": 41, "job": "j"}
+    assert _fast_sample(obj) == _checked_sample(obj)

@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis
+from redis.exceptions import RedisClusterException
 
 from oomcast.collectors.actiontypes import OUTCOMES, ActionResult, Executor, as_candidate
 from oomcast.collectors.domain import Resolve, make_resolve
@@ -164,7 +165,8 @@ class ControlListener:
         self._started_at = self.clock()
         try:
             self._cursor = self._last_id()
-        except redis.RedisError as exc:  # the thread fetches it once Redis answers
+        # RedisClusterException: no node of a cluster answers (it is not a RedisError)
+        except (redis.RedisError, RedisClusterException) as exc:  # fetched once Redis answers
             log.warning("control: Redis unreachable at start (%s); will retry", exc)
         self._thread = threading.Thread(target=self._run, name="oomcast-control", daemon=True)
         self._thread.start()
@@ -214,7 +216,7 @@ class ControlListener:
                     self._cursor = self._last_id()
                 resp = self.client.xread({self.stream: self._cursor}, count=16, block=self.block_ms)
                 backoff = 0.0
-            except redis.RedisError as exc:
+            except (redis.RedisError, RedisClusterException) as exc:
                 self.stats.read_errors += 1
                 backoff = min(5.0, max(0.2, backoff * 2))
                 if self.stats.read_errors in (1, 10, 100) or self.stats.read_errors % 1000 == 0:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
+from redis.exceptions import RedisClusterException
 
 from oomcast.collectors.streams import stream_fields
 
@@ -96,8 +97,9 @@ class StreamPublisher:
                         e.stream, stream_fields(e.fields), maxlen=self.maxlen, approximate=True
                     )
                 replies = pipe.execute(raise_on_error=False)
-            except redis.RedisError as exc:
-                # the connection broke: which entries got in is unknown, keep them all
+            except (redis.RedisError, RedisClusterException) as exc:
+                # the connection broke (on a Redis Cluster: no node answers, so the client
+                # cannot learn the slots' owners): which entries got in is unknown, keep all
                 self._failed(exc, 0)
                 return False
             refused = [(e, r) for e, r in zip(batch, replies, strict=True) if _is_error(r)]

@@ -127,10 +127,9 @@ DEFAULT_METRICS_PORT = 9101
 
 
 def cmd_collect(args: argparse.Namespace) -> int:
-    import redis
-
     from oomcast.collectors.agent import NodeAgent
     from oomcast.collectors.publisher import StreamPublisher
+    from oomcast.collectors.redis_connect import connect
 
     env: CommandEnv = args.env
     if not 0 <= args.confirm_tolerance <= 100:
@@ -139,7 +138,10 @@ def cmd_collect(args: argparse.Namespace) -> int:
         )
     sources = _build_sources(args)
     url = args.redis_url or redis_url_from_env()
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=2.0)
+    try:  # OOMCAST_REDIS_CLUSTER: the URL names one node of a Redis Cluster
+        client = connect(url, cluster=env.redis_cluster, connect_timeout_s=0.5, timeout_s=2.0)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     publisher = StreamPublisher(
         client,
         maxlen=env.stream_maxlen,

@@ -24,7 +24,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValidationError as exc:  # a bad OOMCAST_* value or rule file: say which, and stop
         problems = [str(e["msg"]).removeprefix("Value error, ") for e in exc.errors()]
         raise UsageError("; ".join(problems)) from None
+    from oomcast.service.state import tune_gc
+
     app = create_app(settings)
+    tune_gc()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -34,6 +37,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_faults(args)
     if args.what == "ingest":
         return _bench_ingest(args)
+    if args.what == "cluster":
+        return _bench_cluster(args)
     url = args.redis_url or redis_url_from_env()
     result: dict[str, Any]
     if args.what == "inference":
@@ -45,6 +50,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from oomcast.collectors.hook import bench_hook
 
         result = bench_hook(args.steps, url)
+    elif args.what == "api" and args.predict:
+        from oomcast.service.bench_api import ApiBenchError, bench_predict, parse_concurrency
+
+        try:
+            result = bench_predict(
+                parse_concurrency(args.concurrency), args.seconds, args.window, args.model
+            )
+        except (ValueError, ApiBenchError) as exc:
+            raise UsageError(str(exc)) from None
     elif args.what == "api":
         from oomcast.service.bench_api import bench_api
 
@@ -77,9 +91,14 @@ def _print_figures(result: dict[str, Any], as_json: bool) -> None:
 
 
 def _bench_ingest(args: argparse.Namespace) -> int:
-    """``oomcast bench ingest``: one ``oomcast serve`` fed real stream entries (docs/bench.md)."""
+    """``oomcast bench ingest``: ``oomcast serve`` replicas fed real stream entries
+    (docs/bench.md)."""
     from oomcast.service.bench_ingest import IngestBenchError, bench_ingest
 
+    try:
+        replicas = int(args.replicas or "1")
+    except ValueError:
+        raise UsageError(f"--replicas {args.replicas!r}: ingest takes one count, e.g. 2") from None
     try:
         result = bench_ingest(
             domains=args.domains,
@@ -87,8 +106,26 @@ def _bench_ingest(args: argparse.Namespace) -> int:
             rate=args.rate,
             soak=args.soak,
             partitions=args.partitions,
+            replicas=replicas,
         )
     except (ValueError, IngestBenchError) as exc:
+        raise UsageError(str(exc)) from None
+    _print_figures(result, args.json)
+    return 0
+
+
+def _bench_cluster(args: argparse.Namespace) -> int:
+    """``oomcast bench cluster``: 1, then N replicas draining a local Redis Cluster."""
+    from oomcast.service.bench_cluster import ClusterBenchError, bench_cluster, parse_replicas
+
+    try:
+        result = bench_cluster(
+            domains=args.domains,
+            seconds=args.seconds,
+            counts=parse_replicas(args.replicas or "1,2"),
+            partitions=args.partitions,
+        )
+    except (ValueError, ClusterBenchError) as exc:
         raise UsageError(str(exc)) from None
     _print_figures(result, args.json)
     return 0
@@ -181,16 +218,26 @@ def add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="measure a hot path")
     b.add_argument(
         "what",
-        choices=["inference", "hook", "agent", "faults", "api", "ingest"],
+        choices=["inference", "hook", "agent", "faults", "api", "ingest", "cluster"],
         help="inference: the forecaster per sample; hook: the in-process hook's step();"
         " agent: the node agent's CPU use; faults: the fault scenarios on real processes"
         " (docs/bench.md); api: GET /v1/devices over --domains live domains; ingest: one"
-        " oomcast serve draining --domains GPUs' samples from a private Redis",
+        " oomcast serve draining --domains GPUs' samples from a private Redis; cluster: 1, then"
+        " --replicas oomcast serve replicas draining them from a local 3-primary Redis Cluster",
     )
     b.add_argument("--model", help="ONNX model (default: shipped, else an untrained one)")
     b.add_argument("--seconds", type=float, default=2.0, help="per measurement (agent: total)")
     b.add_argument("--steps", type=int, default=20_000, help="hook: steps timed")
     b.add_argument("--requests", type=int, default=50, help="api: requests timed per query")
+    b.add_argument(
+        "--predict",
+        action="store_true",
+        help="api: time POST /v1/predict on a real oomcast serve for --seconds per concurrency",
+    )
+    b.add_argument(
+        "--concurrency", default="1,16", help="api --predict: the client counts to measure, in turn"
+    )
+    b.add_argument("--window", type=int, default=600, help="api --predict: samples per request")
     b.add_argument("--hz", type=float, default=10.0, help="agent: sampling rate")
     b.add_argument("--domains", type=int, default=8, help="agent: memory cgroups watched")
     b.add_argument("--gpus", type=int, default=8, help="agent: fake-NVML GPUs watched")
@@ -216,6 +263,14 @@ def add_bench_parser(sub: Any) -> None:
         help="ingest: write this many samples/s for --seconds and report latency (default: drain)",
     )
     b.add_argument("--soak", action="store_true", help="ingest: the rate mode, with RSS every 10 s")
-    b.add_argument("--partitions", type=int, default=4, help="ingest: sample-stream partitions")
+    b.add_argument(
+        "--partitions", type=int, default=4, help="ingest, cluster: sample-stream partitions"
+    )
+    b.add_argument(
+        "--replicas",
+        default=None,
+        help="ingest: oomcast serve replicas sharing the partitions (default 1); cluster: the"
+        " replica counts to measure, in turn (default 1,2)",
+    )
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)

@@ -63,6 +63,7 @@ from oomcast.service.ownership import Ownership, Snapshots
 from oomcast.service.rules import Alert
 from oomcast.service.snapshot import SnapshotStore
 from oomcast.service.state import LiveState
+from oomcast.service.streams_read import read_new
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +213,9 @@ class Ingestor:
         outlast the leases it is processed under."""
         change = await self.ownership.tick()
         self._unwritten.drop(self.keys, set(change.lost))
-        self._to_take = (self._to_take | set(change.acquired)) - set(change.lost)
+        # lost before acquired: a lease that lapsed here but was still ours in Redis is in
+        # both, and must be taken afresh (restored, its pending entries claimed)
+        self._to_take = (self._to_take - set(change.lost)) | set(change.acquired)
 
     async def _own(self) -> None:
         """Renew the partitions; restore and claim the ones just acquired."""
@@ -246,13 +249,9 @@ class Ingestor:
             await self.commit(batch)
         streams = self.sample_streams
         resp = None
-        if streams:
-            resp = await self.client.xreadgroup(
-                self.group,
-                self.consumer,
-                dict.fromkeys(streams, ">"),
-                count=self.read_count,
-                block=self.block_ms,
+        if streams:  # one XREADGROUP; on a Redis Cluster one per partition (streams_read.py)
+            resp = await read_new(
+                self.client, self.group, self.consumer, streams, self.read_count, self.block_ms
             )
         else:  # no partition is ours (more replicas than partitions): wait for one
             await asyncio.sleep(self.block_ms / 1000)
@@ -265,10 +264,11 @@ class Ingestor:
             await self.process(_s(stream), entries)
 
     async def _ensure_groups(self) -> None:
-        """The groups of the streams read (again after a Redis restart lost them: BUSYGROUP
-        otherwise); a partition acquired later gets its group then."""
+        """The group of every partition's stream, held now or not (again after a Redis, or a
+        Cluster node, restarted without its data: NOGROUP otherwise): a lease that lapsed
+        while Redis was away is found ours again without being acquired afresh."""
         await self._warn_unread_partitions()
-        for stream in self.sample_streams:
+        for stream in self.keys.all_samples():
             await self._create_group(stream, self.group, "0")
         # A replica new to the events stream starts at its end: older events concern jobs
         # it never saw.

@@ -7,12 +7,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.asyncio.cluster import RedisCluster
 
 from oomcast.model.control import node_keys
 from oomcast.model.wire import Keys
@@ -71,6 +72,25 @@ def build_deliveries(
     return Deliveries(outbox, worker, webhook, alertmanager)
 
 
+def redis_client(settings: Settings, timeout_s: float) -> aioredis.Redis:
+    """The service's Redis client: one server's, or with ``OOMCAST_REDIS_CLUSTER`` a Redis
+    Cluster's (seeded by the URL's node; it routes each command to the node serving its
+    keys' hash slot). Typed as ``Redis``: the cluster client takes every command oomcast
+    sends with the same arguments and answers it the same way, and where a command could not
+    be sent to one node (a read over several partitions) ``streams_read.is_cluster`` tells."""
+    if settings.redis_cluster:
+        cluster = RedisCluster.from_url(
+            settings.redis_url, socket_connect_timeout=2, socket_timeout=timeout_s
+        )
+        return cast(aioredis.Redis, cluster)
+    return aioredis.from_url(
+        settings.redis_url,
+        socket_connect_timeout=2,
+        socket_timeout=timeout_s,
+        health_check_interval=30,
+    )
+
+
 def build_context(settings: Settings) -> ServiceContext:
     keys = Keys(settings.key_prefix, settings.partitions)
     choice = forecaster.choose(settings)
@@ -93,12 +113,7 @@ def build_context(settings: Settings) -> ServiceContext:
     # With leases, no round trip may outlast the slack between a lease's local deadline
     # and its expiry in Redis plus the commit margin (service/ownership.py): 0.4 x the TTL.
     timeout_s = max(2.0, 0.4 * settings.lease_ttl_s) if settings.uses_leases() else 10.0
-    client = aioredis.from_url(
-        settings.redis_url,
-        socket_connect_timeout=2,
-        socket_timeout=timeout_s,
-        health_check_interval=30,
-    )
+    client = redis_client(settings, timeout_s)
     deliveries = build_deliveries(settings, keys, client, metrics)
     secret = settings.control_secret.get_secret_value() if settings.control_secret else None
     dispatcher = Dispatcher(

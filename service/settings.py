@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from oomcast.model.cluster import cluster_url_problem
 from oomcast.model.forecast import HORIZONS_S
 from oomcast.model.wire import DEFAULT_KEY_PREFIX, DEFAULT_PARTITIONS, DEFAULT_REDIS_URL
 
@@ -137,6 +138,9 @@ class Settings(BaseSettings):
     # Node actions (checkpoint, shed) need every sample of the domain for this long to be
     # attested (signed with the domain's own node key); samples over HTTP never are.
     attest_window_s: float = Field(default=600.0, ge=0)
+    # OOMCAST_REDIS_URL names one node of a Redis Cluster (any node: the client learns the
+    # others from it); every process of the deployment, agents included, must say so too.
+    redis_cluster: bool = False
 
     @field_validator("redis_url")
     @classmethod
@@ -215,6 +219,13 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _cluster_url(self) -> Settings:
+        problem = cluster_url_problem(self.redis_url) if self.redis_cluster else None
+        if problem:
+            raise ValueError(problem)
+        return self
+
 
 class CommandEnv(BaseSettings):
     """What the subcommands other than ``serve`` take from ``OOMCAST_*`` (flag defaults).
@@ -238,6 +249,8 @@ class CommandEnv(BaseSettings):
     cgroup_root: str | None = None
     proc_root: str = "/proc"
     node: str | None = None
+    # The agent's OOMCAST_REDIS_URL (or --redis-url) names a Redis Cluster node (see Settings).
+    redis_cluster: bool = False
 
 
 def child_env(overrides: Mapping[str, str]) -> dict[str, str]:

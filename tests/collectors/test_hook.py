@@ -624,7 +624,11 @@ def test_cuda_ooms_become_one_event_each(
     assert hook.stats.ooms == 3
     # after an OOM the domain's history starts afresh, as the node agent does it; the sample
     # of the step that OOMed is the first after it
-    age = [d.emb[FEATURES.index("log1p_age_s")] for d in read_samples(rclient, hook) if d.emb is not None]
+    age = [
+        d.emb[FEATURES.index("log1p_age_s")]
+        for d in read_samples(rclient, hook)
+        if d.emb is not None
+    ]
     assert age[1] == 0.0 and age[2] > 0.0
     assert ooms[0]["ts"] < read_samples(rclient, hook)[1].sample.ts
 
@@ -647,7 +651,11 @@ def test_the_oom_event_is_queued_before_the_sample_after_it(
     assert queued_after == [[], ["oom"]]
     assert hook.close()
     assert [e["event"] for e in read_events(rclient, hook)] == ["oom"]
-    age = [d.emb[FEATURES.index("log1p_age_s")] for d in read_samples(rclient, hook) if d.emb is not None]
+    age = [
+        d.emb[FEATURES.index("log1p_age_s")]
+        for d in read_samples(rclient, hook)
+        if d.emb is not None
+    ]
     assert age[1] == 0.0  # embedded after the OOM reset the domain's history
 
 

@@ -3,6 +3,7 @@ left pending by a crashed or dead replica (including a real SIGKILL of `oomcast 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -15,12 +16,15 @@ from typing import Any
 import httpx
 import pytest
 import redis
+import redis.asyncio as aioredis
 from fastapi.testclient import TestClient
 from support import GIB, T0, free_port, start_serve, wait_until
 
+from oomcast.model.baselines import ThresholdBaseline
 from oomcast.model.wire import Keys, encode_samples
 from oomcast.service.main import create_app
 from oomcast.service.settings import Settings
+from oomcast.service.state import LiveState
 
 GROUP = "oomcast-service"
 
@@ -278,3 +282,39 @@ def test_alert_survives_a_failed_audit_write(
         assert wait_until(lambda: pending(rclient, keys) == 0)
         assert c.get("/v1/alerts").json()["alerts"][0]["status"] == "firing"
     assert len(webhook_receiver.requests) == 1  # the retry did not page anyone twice
+
+
+def test_a_lease_that_lapsed_here_but_was_still_ours_is_taken_afresh(
+    redis_url: str, key_prefix: str
+) -> None:
+    """The leases report such a partition as lost and acquired in one change (lost first):
+    the loop must restore and claim it again, not drop it from what it is to take."""
+    from oomcast.service.actions import Dispatcher
+    from oomcast.service.ingest import Ingestor
+    from oomcast.service.leases import PartitionLeases
+    from oomcast.service.metrics import Metrics
+
+    keys = Keys(key_prefix, 2)
+    now = [100.0]
+
+    async def scenario() -> tuple[set[int], set[int]]:
+        client = aioredis.from_url(redis_url)
+        leases = PartitionLeases(client, key_prefix, 2, "a", ttl_s=2.0, clock=lambda: now[0])
+        live = LiveState(ThresholdBaseline(0.9), [], horizon_s=60)
+        ing = Ingestor(
+            client, keys, live, Metrics(), group="g", consumer="c", owner=leases,
+            dispatcher=Dispatcher(keys, []),
+        )  # fmt: skip
+        await ing._keep_leases()
+        first = set(ing._to_take)
+        ing._to_take.clear()  # as _own does once it has taken them
+        now[0] += 2.0 * leases.safety  # the loop stalled past the leases' local deadline
+        await ing._keep_leases()
+        again = set(ing._to_take)
+        await leases.release_all()
+        await client.aclose()
+        return first, again
+
+    first, again = asyncio.run(scenario())
+    assert first == {0, 1}
+    assert again == {0, 1}, "partitions still ours after a lapse must be restored and claimed"

@@ -40,30 +40,47 @@ async def ingest_samples(body: SamplesBody, ctx: Ctx) -> dict[str, Any]:
     All-or-nothing: every sample is validated first and the entries are written in one
     transaction, so a rejected request leaves nothing behind. When Redis cannot take the
     write (unreachable, out of memory, a read-only replica) the answer is 503 with
-    Retry-After, and nothing of the request was kept: the client should send it again."""
+    Retry-After, and nothing of the request was kept: the client should send it again.
+
+    On a Redis Cluster a transaction cannot span hash slots, so the entries of each
+    partition go in a transaction of their own. If one fails after another was written,
+    the 503 says so; sending the whole request again is safe: the service recognises the
+    samples it already has (same domain, ts and use) and skips them."""
     samples = parse_samples(body.samples, limit=ctx.settings.max_predict_samples, one_domain=False)
     check_skew(samples, ctx.settings.max_ts_skew_s, time.time())
     by_node: dict[str, list[dict[str, Any]]] = {}
     for sample in samples:
         by_node.setdefault(sample.node, []).append(sample_payload(sample, None, None))
-    pipe = ctx.redis.pipeline(transaction=True)
-    for node, payloads in by_node.items():
-        pipe.xadd(
-            ctx.keys.samples_for(node),
-            cast(Any, encode_samples(node, payloads)),  # redis-py's stub wants a wider dict
-            maxlen=ctx.settings.stream_maxlen,
-            approximate=True,
+    groups: dict[int, list[str]] = {}
+    for node in by_node:  # one transaction for all, or one per partition on a cluster
+        part = ctx.keys.partition_of(node) if ctx.settings.redis_cluster else 0
+        groups.setdefault(part, []).append(node)
+    ids: list[Any] = []
+    for n_done, nodes in enumerate(groups.values()):
+        pipe = ctx.redis.pipeline(transaction=True)
+        for node in nodes:
+            pipe.xadd(
+                ctx.keys.samples_for(node),
+                cast(Any, encode_samples(node, by_node[node])),  # redis-py's stub wants more
+                maxlen=ctx.settings.stream_maxlen,
+                approximate=True,
+            )
+        kept = (
+            "nothing was accepted"
+            if not n_done
+            else f"{len(ids)} entries were written before it: send the request again (the"
+            " samples already taken are skipped as duplicates)"
         )
-    try:
-        ids = await pipe.execute()
-    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-        raise unavailable(f"Redis is unreachable, nothing was accepted: {exc}") from None
-    except ResponseError as exc:
-        reason = write_refusal(exc)
-        if reason is None:
-            raise
-        # Not str(exc): redis-py puts the whole queued command, samples and all, in it.
-        raise unavailable(f"{reason}; nothing was accepted, try again later") from None
+        try:
+            ids.extend(await pipe.execute())
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise unavailable(f"Redis is unreachable, {kept}: {exc}") from None
+        except ResponseError as exc:
+            reason = write_refusal(exc)
+            if reason is None:
+                raise
+            # Not str(exc): redis-py puts the whole queued command, samples and all, in it.
+            raise unavailable(f"{reason}; {kept}, try again later") from None
     return {
         "accepted": len(samples),
         "entries": [i.decode() if isinstance(i, bytes) else i for i in ids],

@@ -30,6 +30,8 @@ from oomcast.model.wire import Keys, encode_event, encode_samples, sample_payloa
 
 log = logging.getLogger(__name__)
 
+_MAX_CACHED_STREAMS = 4096  # nodes whose stream name is kept (an agent has one, a replay more)
+
 
 @dataclass
 class AgentStats:
@@ -74,6 +76,7 @@ class NodeAgent:
         self.node = node
         self._node_key = node_key
         self._unsigned_warned: set[str] = set()
+        self._streams: dict[str, str] = {}  # node -> its sample stream, hashed once
 
     def __repr__(self) -> str:  # never the key
         return f"NodeAgent(node={self.node!r}, attesting={self._node_key is not None})"
@@ -112,11 +115,19 @@ class NodeAgent:
         self._forget_stale(now)
         self.stats.domains = len(self._last_seen)
         entries = [
-            Entry(self.keys.samples_for(node), self._encode(node, payloads), len(payloads))
+            Entry(self._stream(node), self._encode(node, payloads), len(payloads))
             for node, payloads in by_node.items()
         ]
         # Samples first: an OOM event should not reach the service before the samples leading to it.
         return entries + events
+
+    def _stream(self, node: str) -> str:
+        stream = self._streams.get(node)
+        if stream is None:
+            if len(self._streams) >= _MAX_CACHED_STREAMS:  # a replay of a huge cluster
+                self._streams.clear()
+            stream = self._streams[node] = self.keys.samples_for(node)
+        return stream
 
     def _add(
         self,
@@ -135,14 +146,15 @@ class NodeAgent:
             raise TypeError(f"a source returned {type(record).__name__}, not a Sample or Event")
         if record.total_bytes <= 0:
             raise ValueError(f"{record.node}/{record.device}: total_bytes={record.total_bytes}")
-        state = self._embedders.get(record.domain)
+        domain = record.domain
+        state = self._embedders.get(domain)
         if state is None or (
             state.prev is not None and record.job and record.job != state.prev.job
         ):
             # a new job starts its history afresh: age, trends, high-water mark
-            state = self._embedders[record.domain] = EmbeddingState()
+            state = self._embedders[domain] = EmbeddingState()
         emb = state.embed(record)
-        self._last_seen[record.domain] = now
+        self._last_seen[domain] = now
         payload = sample_payload(record, emb, EMBEDDING_VERSION)
         by_node.setdefault(record.node, []).append(payload)
         self.stats.samples += 1

@@ -117,17 +117,17 @@ def _stat_text(used: int) -> str:
     return "".join(f"{k} {values.get(k, 4096 * i)}\n" for i, k in enumerate(STAT_KEYS))
 
 
-def _write_domain(path: Path, used: int, limit: int) -> None:
+def _write_domain(path: Path, used: int, limit: int | None, procs: str = "1\n") -> None:
     path.mkdir(parents=True, exist_ok=True)
     files = {
-        "memory.max": str(limit),
+        "memory.max": "max" if limit is None else str(limit),
         "memory.current": str(used),
         "memory.peak": str(used),
         "memory.stat": _stat_text(used),
         "memory.events": "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\noom_group_kill 0\n",
         "memory.pressure": "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
         "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",
-        "cgroup.procs": "1\n",
+        "cgroup.procs": procs,
     }
     for name, text in files.items():
         (path / name).write_text(text)
@@ -160,6 +160,9 @@ def bench_agent(
         root = Path(tmp)
         (root / "cgroup.controllers").write_text("cpu memory pids\n")
         limit = 4096 * MIB
+        # the jobs' parent, as on a node: no limit, no processes of its own, and the OOM
+        # counter the source reads each tick for kills of jobs removed right after
+        _write_domain(root / "kubepods.slice", 8 * 1024 * MIB, None, procs="")
         paths = [root / "kubepods.slice" / f"job-{i}.scope" for i in range(domains)]
         for p in paths:
             _write_domain(p, 1024 * MIB, limit)

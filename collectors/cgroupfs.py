@@ -236,6 +236,8 @@ class MemoryCgroup:
         if self.version not in (1, 2):
             raise ValueError(f"cgroup version must be 1 or 2, got {self.version}")
         self._peak_fd: int | None = None
+        self._peak_path = str(self.path / "memory.peak")  # built once, not at every read
+        self._peak_plain = False  # the peak's descriptor is a plain file (see _read_v2_peak)
         self._dir = str(self.path)  # what each read stats, converted once
         self._fds: dict[str, int] = {}  # file name -> descriptor kept open between reads
         self._dir_id: tuple[int, int] | None = None  # (st_dev, st_ino) they were opened in
@@ -391,7 +393,9 @@ class MemoryCgroup:
         if fd is None:
             fd = self._open(name)
         try:
-            data = _pread_all(fd)
+            data = os.pread(fd, _READ_SIZE, 0)  # the whole file, but for a huge one
+            if len(data) == _READ_SIZE:
+                data = _pread_all(fd)
         except OSError as exc:
             self._drop(name)
             if exc.errno not in _STALE_ERRNOS:
@@ -515,30 +519,34 @@ class MemoryCgroup:
         return value
 
     def _read_v2_peak(self, reset: bool) -> int | None:
-        path = self.path / "memory.peak"
         if self._has_peak is None:
-            self._has_peak = path.exists()
+            self._has_peak = os.path.exists(self._peak_path)
         if not self._has_peak or (reset and not self._peak_resettable):
             return None
         if not reset:
             return self._int("memory.peak")
         # The v2 reset is per open file: reads through the descriptor that wrote see the
         # peak since that write, so keep one descriptor for the whole run.
-        if self._peak_fd is None:
+        fd = self._peak_fd
+        if fd is None:
             try:
-                self._peak_fd = os.open(path, os.O_RDWR)
+                fd = self._peak_fd = os.open(self._peak_path, os.O_RDWR)
             except OSError:
                 self._peak_resettable = False
                 return None
-        raw = os.pread(self._peak_fd, 64, 0).decode("ascii").strip()
+            # A cgroupfs file has no size; a plain file (a fixture tree) has its text's,
+            # and must be emptied before the reset is written over it. Asked once, here.
+            self._peak_plain = os.fstat(fd).st_size > 0
+        raw = os.pread(fd, 64, 0).decode("ascii").strip()
         try:
             value = int(raw)
         except ValueError:
-            raise CgroupError(f"{path}: expected a number, got {raw[:40]!r}") from None
+            raise CgroupError(f"{self._peak_path}: expected a number, got {raw[:40]!r}") from None
         try:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._peak_fd, 0)  # a plain file (fixtures); harmless on kernfs
-            os.pwrite(self._peak_fd, b"0\n", 0)
+            if self._peak_plain:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
+            os.pwrite(fd, b"0\n", 0)
         except OSError:
             # kernels before 6.12: memory.peak is read-only and means "since creation"
             self._peak_resettable = False

@@ -269,14 +269,20 @@ class Nvml:
         self.last_error = NvmlFailure(function, name, getattr(exc, "value", None))
 
     def _raw(self, function: str, *args: Any, **kwargs: Any) -> Any:
-        """Call ``function`` of the binding, timed and counted; NVML errors propagate."""
-        self.init()
-        fn = getattr(self.module, function)
-        start = self._timer()
+        """Call ``function`` of the binding, timed and counted; NVML errors propagate. (The
+        agent makes two or three of these per GPU per tick: ``_account`` is inlined.)"""
+        if not self._initialized:
+            self.init()
+        fn = getattr(self._module, function)
+        timer = self._timer
+        start = timer()
         try:
             return fn(*args, **kwargs)
         finally:
-            self._account(function, start)
+            stats = self.stats
+            stats.calls += 1
+            stats.calls_by_function[function] += 1
+            stats.call_seconds += timer() - start
 
     def _call(self, function: str, *args: Any, **kwargs: Any) -> Any | None:
         """Call ``function``; an NVML error becomes ``None``, counted in ``stats``."""
@@ -319,14 +325,13 @@ class Nvml:
         fn = "nvmlDeviceGetMemoryInfo"
         if self._v2_memory:
             m = self.module
-            fallback = self._err.no_v2_memory
             try:
                 mem = self._raw(fn, handle, version=m.nvmlMemory_v2)
             except AttributeError:  # a binding without nvmlMemory_v2
                 self._v2_memory = False
             except TypeError:  # a binding whose nvmlDeviceGetMemoryInfo takes no version
                 self._v2_memory = False
-            except fallback as exc:
+            except self._err.no_v2_memory as exc:  # looked up only when a call fails
                 self._record_error(fn, exc)
                 self._v2_memory = False
                 log.info("NVML memory info v2 unavailable (%s); using v1", _error_name(exc))
@@ -351,13 +356,12 @@ class Nvml:
     def compute_processes(self, handle: Any) -> list[ProcessMemory] | None:
         """Compute processes on one GPU with their memory, or ``None`` if NVML cannot say."""
         m = self.module
-        mismatch = self._err.mismatch
         try:
             procs = self._raw(self._processes_fn, handle)
         except m.NVMLError as exc:
             self._on_error(self._processes_fn, exc)
             return None
-        except mismatch as exc:
+        except self._err.mismatch as exc:  # looked up only when a call fails
             # The unversioned call needs a driver with the v3 entry point; an older driver
             # gets the _v2 one (same fields), from then on.
             self._record_error(self._processes_fn, exc)

@@ -215,6 +215,27 @@ class OnnxForecaster:
         finally:
             self.release(state)
 
+    def window_last(self, samples: list[Sample]) -> Forecast:
+        """``window(samples)[-1]`` in two ONNX calls instead of one per sample (``POST
+        /v1/predict`` wants only the last): the state a live domain would hold before the
+        last sample is what the samples that fell on a tick commit, so those run as one
+        sequence from a zero state, and the last sample runs from where they end."""
+        if not samples:
+            raise ValueError("window_last needs at least one sample")
+        emb = EmbeddingState()
+        x = np.asarray([emb.embed(s) for s in samples], dtype=np.float32)  # every sample
+        tick, committed = -math.inf, []
+        for i, s in enumerate(samples[:-1]):  # as step() commits: once per tick
+            if s.ts - tick >= self._tick_min_s:
+                committed.append(i)
+                tick = s.ts
+        h = np.zeros((self.layers, 1, self.hidden), np.float32)
+        c = np.zeros_like(h)
+        if committed:
+            _, _, h, c = self.session.run(None, {"x": x[committed][None], "h": h, "c": c})
+        risk, tto, _, _ = self.session.run(None, {"x": x[-1:][None], "h": h, "c": c})
+        return self._forecasts(risk[:, -1, :], tto[:, -1], samples[-1:])[0]
+
     def _forecasts(
         self, risk: np.ndarray, tto: np.ndarray, samples: list[Sample]
     ) -> list[Forecast]:

@@ -108,6 +108,7 @@ def _bench(
     out["window_samples"] = len(window)
     for name, run in (
         ("window", lambda: fc.window(window)),
+        ("window_last", lambda: fc.window_last(window)),
         ("window_stepped", lambda: _stepped(fc, window)),
     ):
         lat = []

@@ -38,7 +38,8 @@ import redis
 
 from oomcast.collectors.streams import stream_fields
 from oomcast.model.wire import Keys, answer
-from oomcast.service.bench_ingest import DRAIN_HZ, GPUS_PER_NODE, Fleet, cpu_seconds, rss_mb
+from oomcast.service.bench_ingest import DRAIN_HZ
+from oomcast.service.bench_load import GPUS_PER_NODE, Fleet, cpu_seconds, rss_mb
 from oomcast.service.faults.procs import FaultBenchError, Procs, Service, start_service, wait_for
 from oomcast.service.local_cluster import LocalCluster, LocalClusterError
 

@@ -23,9 +23,7 @@ resident memory before and after, from ``/proc/<pid>/status``.
 
 from __future__ import annotations
 
-import math
 import os
-import random
 import secrets
 import shutil
 import tempfile
@@ -39,29 +37,32 @@ from typing import Any
 import redis
 
 from oomcast.collectors.streams import stream_fields
-from oomcast.model.control import node_key
-from oomcast.model.embedding import EMBEDDING_VERSION, EmbeddingState
-from oomcast.model.schema import Sample
-from oomcast.model.wire import Keys, answer, encode_samples, sample_payload
+from oomcast.model.wire import Keys
+from oomcast.service.bench_load import (
+    GPUS_PER_NODE,
+    LATENCY,
+    Fleet,
+    cpu_seconds,
+    group_progress,
+    histogram_quantile,
+    latency_buckets,
+    rss_mb,
+)
 from oomcast.service.faults.procs import (
     FaultBenchError,
     Procs,
     RedisServer,
     Service,
-    read_status,
     start_service,
     wait_for,
 )
 
-GPUS_PER_NODE = 8
 DRAIN_HZ = 10.0
-GIB = 1 << 30
-TOTAL_BYTES = 80 * GIB
 AGENT_MAXLEN = 100_000  # what agents trim each stream to (approximately)
 SOAK_DEFAULT_RATE = 5000.0
 SOAK_EVERY_S = 10.0
 POLL_S = 0.05
-LATENCY = "oomcast_forecast_latency_seconds"
+SLOT_S = 0.01  # the rate mode writes in slots this long
 INGESTED = "oomcast_samples_ingested_total"
 DEADLETTERS = "oomcast_deadletters_total"
 
@@ -80,125 +81,6 @@ class BenchRedis(RedisServer):
             self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--maxmemory-policy", "noeviction", "--dir", str(self.dir),
         ]  # fmt: skip
-
-
-@dataclass
-class _Gpu:
-    device: str
-    used: float  # fraction of capacity
-    drift: float  # per second
-    emb: EmbeddingState = field(default_factory=EmbeddingState)
-
-
-class Fleet:
-    """Simulated nodes of 8 GPUs whose memory drifts; ``entry(node, ts)`` is the stream
-    entry that node's agent would write at ``ts`` (embeddings computed and signed here)."""
-
-    def __init__(self, domains: int, secret: str, seed: int = 0) -> None:
-        rng = random.Random(seed)
-        self.nodes: list[str] = []
-        self.gpus: list[list[_Gpu]] = []
-        self.keys: list[str] = []
-        for i in range(math.ceil(domains / GPUS_PER_NODE)):
-            name = f"bench-node-{i:05d}"
-            n = min(GPUS_PER_NODE, domains - i * GPUS_PER_NODE)
-            self.nodes.append(name)
-            self.keys.append(node_key(secret, name))
-            self.gpus.append(
-                [
-                    _Gpu(f"gpu{g}", rng.uniform(0.2, 0.6), rng.uniform(-0.002, 0.004))
-                    for g in range(n)
-                ]
-            )
-        self.domains = domains
-        self._last: dict[int, float] = {}
-
-    def entry(self, i: int, ts: float) -> dict[str, str]:
-        node = self.nodes[i]
-        dt = ts - self._last.get(i, ts - 0.1)
-        self._last[i] = ts
-        payloads: list[dict[str, object]] = []
-        for gpu in self.gpus[i]:
-            gpu.used += gpu.drift * dt
-            if not 0.05 < gpu.used < 0.97:  # a job ended, or was restarted smaller
-                gpu.used, gpu.drift = 0.3, -gpu.drift
-            used = int(gpu.used * TOTAL_BYTES)
-            sample = Sample(
-                ts=round(ts, 3), node=node, device=gpu.device, kind="gpu",
-                total_bytes=TOTAL_BYTES, used_bytes=used, allocated_bytes=int(used * 0.9),
-                reserved_bytes=used, peak_bytes=used, job=f"job-{node}-{gpu.device}",
-            )  # fmt: skip
-            payloads.append(sample_payload(sample, gpu.emb.embed(sample), EMBEDDING_VERSION))
-        return encode_samples(node, payloads, self.keys[i])
-
-    def size(self, i: int) -> int:
-        return len(self.gpus[i])
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), in seconds, from ``/proc/<pid>/stat``."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return float("nan")
-    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_mb(pid: int) -> float:
-    return round(read_status(pid).get("VmRSS", 0) / 1e6, 1)
-
-
-def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
-    """The ``q`` quantile of a cumulative histogram ``[(le, count)]`` (``le`` ascending,
-    the last +Inf), interpolated linearly within the bucket it falls in, as Prometheus's
-    ``histogram_quantile`` does; the top finite bound when it falls in +Inf; None if empty."""
-    if not buckets or buckets[-1][1] <= 0:
-        return None
-    rank = q * buckets[-1][1]
-    lower, below = 0.0, 0.0
-    for le, count in buckets:
-        if count >= rank:
-            if math.isinf(le):
-                return lower
-            if count == below:
-                return le
-            return lower + (le - lower) * (rank - below) / (count - below)
-        lower, below = le, count
-    return lower
-
-
-def latency_buckets(metrics: dict[str, float]) -> list[tuple[float, float]]:
-    out = []
-    for name, value in metrics.items():
-        if name.startswith(LATENCY + "_bucket{"):
-            le = name.partition('le="')[2].partition('"')[0]
-            out.append((float(le), value))
-    return sorted(out)
-
-
-def group_progress(client: redis.Redis, streams: list[str], group: str) -> tuple[int, int, int]:
-    """(entries read, pending, lag) of the service's group, summed over the streams; a
-    stream without the group yet counts as nothing read."""
-    read = pending = lag = 0
-    for stream in streams:
-        try:
-            groups: Any = client.xinfo_groups(stream)
-        except redis.ResponseError:
-            lag += int(answer(client.xlen(stream)))
-            continue
-        for g in groups:
-            name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
-            if name == group:
-                entries_read = int(g.get("entries-read") or 0)
-                read += entries_read
-                pending += int(g["pending"])
-                unknown = g.get("lag") is None  # Redis cannot tell: count from the length
-                lag += int(answer(client.xlen(stream))) - entries_read if unknown else int(g["lag"])
-                break
-        else:
-            lag += int(answer(client.xlen(stream)))
-    return read, pending, lag
 
 
 @dataclass
@@ -394,35 +276,74 @@ def drain(run: Run, seconds: float, timeout_s: float) -> dict[str, Any]:
     return out
 
 
-def produce(
-    run: Run, rate: float, seconds: float, tick: Callable[[float], None] | None = None
-) -> tuple[int, int, float]:
-    """Write ``rate`` samples/s for ``seconds``, nodes in turn, in 10 ms slots, ts the wall
-    clock; ``tick(elapsed)`` after each slot. (samples, entries, seconds it took)."""
-    slot = 0.01
-    per_slot = rate * slot / GPUS_PER_NODE  # entries
-    nodes = len(run.fleet.nodes)
-    owed = 0.0
-    cursor = written = entries = 0
-    t0 = time.monotonic()
-    k = 0
-    while (elapsed := time.monotonic() - t0) < seconds:
+PRECOMPUTE_MAX_SAMPLES = 2_000_000  # about 900 MB of entries held in memory, at most
+
+
+def _slots(rate: float, seconds: float, nodes: int) -> list[list[int]]:
+    """Which nodes write in each 10 ms slot: ``rate`` samples/s, nodes in turn."""
+    per_slot = rate * SLOT_S / GPUS_PER_NODE  # entries
+    owed, cursor, out = 0.0, 0, []
+    for _ in range(max(1, round(seconds / SLOT_S))):
         owed += per_slot
         batch = []
         while owed >= 1:
-            batch.append((cursor, time.time()))
+            batch.append(cursor)
             cursor = (cursor + 1) % nodes
             owed -= 1
+        out.append(batch)
+    return out
+
+
+def produce(
+    run: Run, rate: float, seconds: float, tick: Callable[[float], None] | None = None
+) -> tuple[int, int, float, str]:
+    """Write ``rate`` samples/s for ``seconds``, nodes in turn, in 10 ms slots; ``tick
+    (elapsed)`` after each slot. (samples, entries, seconds it took, how entries were made.)
+
+    A short run's entries are made before the clock starts ("precomputed"): computing the
+    agents' embeddings in this process costs more CPU than the service spends on them, and
+    on 2 cores the producer would otherwise be what is measured. Their ``ts`` then lags the
+    wall clock by the time that took (well within OOMCAST_MAX_TS_SKEW_S); latency is timed
+    from each entry's arrival in Redis, not from its ``ts``. A long run (a soak) makes each
+    entry as it writes it ("live"), ``ts`` the wall clock."""
+    slots = _slots(rate, seconds, len(run.fleet.nodes))
+    total = sum(len(b) for b in slots) * GPUS_PER_NODE
+    planned: list[list[tuple[str, dict[Any, Any]]]] | None = None
+    if total <= PRECOMPUTE_MAX_SAMPLES:
+        t_plan = time.time()
+        planned = [
+            [
+                (run.keys.samples_for(run.fleet.nodes[i]), run.fleet.entry(i, t_plan + k * SLOT_S))
+                for i in batch
+            ]
+            for k, batch in enumerate(slots)
+        ]
+    written = entries = 0
+    t0 = time.monotonic()
+    for k, batch in enumerate(slots):
         if batch:
-            written += _write(run, batch, AGENT_MAXLEN)
+            if planned is not None:
+                written += _write_planned(run, planned[k])
+                planned[k] = []  # let what is written go
+            else:
+                written += _write(run, [(i, time.time()) for i in batch], AGENT_MAXLEN)
             entries += len(batch)
         if tick is not None:
-            tick(elapsed)
-        k += 1
-        pause = t0 + k * slot - time.monotonic()
+            tick(time.monotonic() - t0)
+        pause = t0 + (k + 1) * SLOT_S - time.monotonic()
         if pause > 0:
             time.sleep(pause)
-    return written, entries, time.monotonic() - t0
+    return written, entries, time.monotonic() - t0, "live" if planned is None else "precomputed"
+
+
+def _write_planned(run: Run, batch: list[tuple[str, dict[Any, Any]]]) -> int:
+    pipe = run.client.pipeline(transaction=False)
+    n = 0
+    for stream, fields in batch:
+        pipe.xadd(stream, stream_fields(fields), maxlen=AGENT_MAXLEN, approximate=True)
+        n += int(fields["n"])
+    pipe.execute()
+    return n
 
 
 def rated(run: Run, rate: float, seconds: float, soak: bool, timeout_s: float) -> dict[str, Any]:
@@ -438,7 +359,7 @@ def rated(run: Run, rate: float, seconds: float, soak: bool, timeout_s: float) -
         if soak and elapsed >= len(series) * SOAK_EVERY_S:
             series.append([round(elapsed, 1), run.rss()])
 
-    written, entries, took = produce(run, rate, seconds, record)
+    written, entries, took, producer = produce(run, rate, seconds, record)
     backlog = group_progress(run.client, streams, run.group)[2]
     if not wait_for(run.drained, timeout_s):
         raise IngestBenchError(f"the service had not caught up {timeout_s:.0f} s after the run")
@@ -452,6 +373,7 @@ def rated(run: Run, rate: float, seconds: float, soak: bool, timeout_s: float) -
     out |= _common(run, written, entries)
     out |= {
         "rate_target": rate,
+        "producer": producer,
         "rate_achieved": round(written / took),
         "seconds": round(took, 2),
         "backlog_entries_at_end": backlog,

@@ -5,8 +5,8 @@ metrics thread), and the kernel enforces the limit of a container's memory cgrou
 the machine. This source finds those cgroups under a root directory (``/sys/fs/cgroup`` on a
 v2 node, ``/sys/fs/cgroup/memory`` on a v1 node, or a fixture tree in tests) and samples each
 one: limit, usage, anonymous memory, peak since the previous read, ``failcnt``/``max``
-events, and on v2 the memory pressure (PSI). A rising OOM-kill counter becomes an ``oom``
-event.
+events, and on v2 the memory pressure (PSI; read at most once a second, as the kernel
+renews it every 2 s). A rising OOM-kill counter becomes an ``oom`` event.
 
 Which cgroups are domains: the processes live in leaf cgroups (a container), and the limit
 that will stop them is the nearest one on the way up. So each cgroup that holds processes
@@ -53,6 +53,10 @@ from oomcast.model.schema import Event, Record
 
 log = logging.getLogger(__name__)
 
+# The kernel recomputes a cgroup's PSI averages every 2 s, and only /metrics shows them: a
+# source sampling faster than this reads memory.pressure once per this many seconds.
+PSI_EVERY_S = 1.0
+
 
 @dataclass
 class CgroupStats:
@@ -76,6 +80,7 @@ class _Domain:
     witness_kills: int | None = None
     last_ts: float = 0.0
     pressure: Pressure | None = None
+    psi_in: int = 0  # polls until memory.pressure is read again (0: at this one)
 
 
 @dataclass
@@ -107,9 +112,11 @@ class CgroupSource:
         self.version = detect_version(self.root)
         self._domains: dict[str, _Domain] = {}
         self._witnesses: dict[Path, MemoryCgroup] = {}  # parents read for vanished kills
+        self._paths: dict[Path, Path] = {}  # the witnesses' Path objects, see _one_path
         self._next_sample = 0.0
         self._next_scan = 0.0
         self._no_counter_warned = False
+        self._psi_every = max(1, round(PSI_EVERY_S / self.interval_s))  # in polls
 
     # -- discovery ------------------------------------------------------------------------
     def _rel(self, path: Path) -> str:
@@ -221,7 +228,7 @@ class CgroupSource:
             else:
                 members = []
                 kills = self._counter(cg)
-                witness = path.parent if path.parent != root else None
+                witness = self._one_path(path.parent) if path.parent != root else None
             if kills is None and not self._no_counter_warned:
                 self._no_counter_warned = True
                 log.warning(
@@ -242,7 +249,13 @@ class CgroupSource:
         needed = {d.witness for d in self._domains.values()}
         for p in [p for p in self._witnesses if p not in needed]:
             self._witnesses.pop(p).close()
+        self._paths = {p: p for p in needed if p is not None}
         return sorted(d.device for d in self._domains.values())
+
+    def _one_path(self, path: Path) -> Path:
+        """The one Path object this source uses for ``path``: every tick looks parents up
+        by it, and a dict finds the same object without pathlib's ``==`` (Python code)."""
+        return self._paths.setdefault(path, path)
 
     def _v1_members(self, dom: _Domain | None, paths: list[Path]) -> list[MemoryCgroup]:
         """The cgroups whose processes a v1 domain watches, keeping the ones (and their open
@@ -276,9 +289,11 @@ class CgroupSource:
         alive: list[tuple[_Domain, float]] = []
         gone: list[_Domain] = []
         for rel, dom in list(self._domains.items()):
+            with_psi = dom.psi_in <= 0
             try:
-                reading = dom.cgroup.read(with_pressure=True)
-                dom.pressure = reading.pressure
+                reading = dom.cgroup.read(with_pressure=with_psi)
+                if with_psi:
+                    dom.pressure, dom.psi_in = reading.pressure, self._psi_every
             except FileNotFoundError:
                 self.stats.vanished += 1
                 gone.append(self._domains.pop(rel))
@@ -289,6 +304,7 @@ class CgroupSource:
                 log.debug("cgroup %s: %s", rel, exc)
                 continue
             self.stats.reads += 1
+            dom.psi_in -= 1
             ts = max(now, dom.last_ts + 1e-6)  # a domain's samples are strictly ordered
             dom.last_ts = ts
             alive.append((dom, ts))

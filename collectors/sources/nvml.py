@@ -83,6 +83,8 @@ class _Gpu:
 def main_job(table: Sequence[GpuProcess]) -> str | None:
     """The job of the process with the most memory; where NVML gives no per-process memory,
     the job shared by all processes, or None when they disagree (better no job than a guess)."""
+    if len(table) == 1:  # the usual GPU: one job's one process
+        return table[0].job
     known = [p for p in table if p.used_bytes is not None]
     if known:
         return max(known, key=lambda p: (p.used_bytes or 0, -p.pid)).job
@@ -348,7 +350,8 @@ class NvmlSource:
         for p in procs:
             info = self.procinfo.lookup(p.pid)
             table.append(GpuProcess(p.pid, p.used_bytes, info.job, info.priority, info.start_time))
-        table.sort(key=lambda p: (p.used_bytes is None, -(p.used_bytes or 0), p.pid))
+        if len(table) > 1:
+            table.sort(key=lambda p: (p.used_bytes is None, -(p.used_bytes or 0), p.pid))
         return tuple(table)
 
     def _why(self) -> str:

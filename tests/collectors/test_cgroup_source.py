@@ -100,6 +100,30 @@ def test_v2_discovery_psi_and_systemd_pod_names(tmp_path: Path) -> None:
     assert pressure.some_total_us == 12345
 
 
+def test_psi_is_read_once_a_second_however_fast_the_source_samples(tmp_path: Path) -> None:
+    """The kernel renews PSI every 2 s and only /metrics shows it: at 10 Hz the source reads
+    memory.pressure on every tenth poll; at 1 Hz (the default) on every one."""
+    root = v2_tree(tmp_path / "cg")
+    [leaf] = [p.parent for p in root.rglob("memory.pressure")]
+    changed = PSI.replace("avg10=1.50", "avg10=7.00")
+    for interval_s, polls_until_seen in ((0.1, 10), (1.0, 1)):
+        (leaf / "memory.pressure").write_text(PSI)
+        src = CgroupSource("n", root, interval_s=interval_s)
+        now = 100.0
+        assert samples(src.poll(now))  # the first poll reads it
+        [first] = src.pressure().values()
+        assert first.some_avg10 == 1.5
+        (leaf / "memory.pressure").write_text(changed)
+        seen_at = None
+        for k in range(1, 21):
+            now += interval_s
+            assert samples(src.poll(now))  # every poll still samples the cgroup
+            if seen_at is None and src.pressure()[next(iter(src.pressure()))].some_avg10 == 7.0:
+                seen_at = k
+        assert seen_at == polls_until_seen, interval_s
+        src.close()
+
+
 def test_interval_include_exclude(tmp_path: Path) -> None:
     root = v1_tree(tmp_path / "memory")
     src = CgroupSource("n", root, interval_s=1.0, exclude=("/docker/*",))

@@ -109,6 +109,35 @@ def test_v2_read(v2: MemoryCgroup) -> None:
     v2.close()
 
 
+def test_a_cgroupfs_peak_is_reset_by_a_write_alone(
+    v2: MemoryCgroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cgroupfs file reports no size: its peak is reset by writing, with no truncate. A
+    plain file (a fixture) has a size, and is emptied first (test_v2_read)."""
+    truncated: list[int] = []
+    real_fstat = os.fstat
+
+    class NoSize:  # what fstat says of a kernfs file
+        st_size = 0
+
+    def fstat(fd: int) -> object:
+        return NoSize() if fd == v2._peak_fd else real_fstat(fd)
+
+    monkeypatch.setattr(cr.os, "fstat", fstat)
+    monkeypatch.setattr(cr.os, "ftruncate", lambda fd, n: truncated.append(fd))
+    assert v2.read().peak_bytes == 320 * MIB
+    assert truncated == []
+    # the write went through the same descriptor, over the start of the text
+    assert (v2.path / "memory.peak").read_text().startswith("0\n")
+    v2.close()
+    monkeypatch.undo()
+    fixture = MemoryCgroup(v2.path, version=2)
+    (v2.path / "memory.peak").write_text(f"{320 * MIB}\n")
+    assert fixture.read().peak_bytes == 320 * MIB
+    assert (v2.path / "memory.peak").read_text() == "0\n"  # emptied, then written
+    fixture.close()
+
+
 def test_v2_bad_number_names_the_file(v2: MemoryCgroup) -> None:
     (v2.path / "memory.current").write_text("lots\n")
     with pytest.raises(CgroupError, match=r"memory\.current"):

@@ -289,3 +289,33 @@ def test_a_malformed_or_foreign_state_is_refused_without_taking_a_slot() -> None
         with pytest.raises(ValueError, match=named):
             fc.import_state(bad)
         assert len(fc._free) == free
+
+
+@pytest.mark.parametrize("spacing_s", [0.1, 0.45, 1.0, 2.5])
+def test_the_last_forecast_of_a_window_in_two_calls_is_the_stepped_one(spacing_s: float) -> None:
+    """POST /v1/predict's path: the committed samples as one sequence, then the last one."""
+    fc = OnnxForecaster()
+    total = 80 << 30
+    for n in (1, 2, 7, 300):
+        samples = [
+            Sample(
+                ts=1.7e9 + i * spacing_s,
+                node="n",
+                device="g",
+                kind="gpu",
+                total_bytes=total,
+                used_bytes=int(total * min(0.99, 0.5 + 0.45 * i / n)),
+            )
+            for i in range(n)
+        ]
+        stepped, fast = fc.window(samples)[-1], fc.window_last(samples)
+        assert dict(fast.risk) == pytest.approx(dict(stepped.risk), abs=1e-6)
+        assert (fast.time_to_oom_s is None) == (stepped.time_to_oom_s is None)
+        if fast.time_to_oom_s is not None:
+            assert fast.time_to_oom_s == pytest.approx(stepped.time_to_oom_s, rel=1e-5)
+        assert fast.observed_at == stepped.observed_at
+
+
+def test_window_last_refuses_an_empty_window() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        OnnxForecaster().window_last([])

@@ -18,9 +18,9 @@ def predict(body: SamplesBody, ctx: Ctx) -> dict[str, Any]:
     samples = parse_samples(body.samples, limit=ctx.settings.max_predict_samples, one_domain=True)
     forecaster = ctx.detector.forecaster
     forecast = None
-    window = getattr(forecaster, "window", None)
-    if window is not None:  # the model: the whole window in one call
-        forecast = window(samples)[-1]
+    window_last = getattr(forecaster, "window_last", None)
+    if window_last is not None:  # the model: the whole window in two calls
+        forecast = window_last(samples)
     else:  # a baseline steps through the window
         state = forecaster.init_state()
         try:

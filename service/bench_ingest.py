@@ -294,37 +294,53 @@ def _slots(rate: float, seconds: float, nodes: int) -> list[list[int]]:
     return out
 
 
-def produce(
-    run: Run, rate: float, seconds: float, tick: Callable[[float], None] | None = None
-) -> tuple[int, int, float, str]:
-    """Write ``rate`` samples/s for ``seconds``, nodes in turn, in 10 ms slots; ``tick
-    (elapsed)`` after each slot. (samples, entries, seconds it took, how entries were made.)
+@dataclass
+class Plan:
+    """What the rate mode writes: the nodes of each 10 ms slot, and for a short run the
+    entries themselves, made before the clock starts (see ``plan``)."""
 
-    A short run's entries are made before the clock starts ("precomputed"): computing the
-    agents' embeddings in this process costs more CPU than the service spends on them, and
-    on 2 cores the producer would otherwise be what is measured. Their ``ts`` then lags the
-    wall clock by the time that took (well within OOMCAST_MAX_TS_SKEW_S); latency is timed
-    from each entry's arrival in Redis, not from its ``ts``. A long run (a soak) makes each
-    entry as it writes it ("live"), ``ts`` the wall clock."""
+    slots: list[list[int]]
+    entries: list[list[tuple[str, dict[Any, Any]]]] | None = None
+
+    @property
+    def producer(self) -> str:
+        return "live" if self.entries is None else "precomputed"
+
+
+def plan(run: Run, rate: float, seconds: float) -> Plan:
+    """``rate`` samples/s for ``seconds``, nodes in turn. A short run's entries are made
+    now ("precomputed"): computing the agents' embeddings in this process costs more CPU
+    than the service spends on them, and on 2 cores the producer would otherwise be what
+    is measured. Their ``ts`` then lags the wall clock by the time that takes (well within
+    OOMCAST_MAX_TS_SKEW_S); latency is timed from each entry's arrival in Redis, not from
+    its ``ts``. A long run (a soak) makes each entry as it writes it ("live", ``ts`` the
+    wall clock)."""
     slots = _slots(rate, seconds, len(run.fleet.nodes))
-    total = sum(len(b) for b in slots) * GPUS_PER_NODE
-    planned: list[list[tuple[str, dict[Any, Any]]]] | None = None
-    if total <= PRECOMPUTE_MAX_SAMPLES:
-        t_plan = time.time()
-        planned = [
-            [
-                (run.keys.samples_for(run.fleet.nodes[i]), run.fleet.entry(i, t_plan + k * SLOT_S))
-                for i in batch
-            ]
-            for k, batch in enumerate(slots)
+    if sum(len(b) for b in slots) * GPUS_PER_NODE > PRECOMPUTE_MAX_SAMPLES:
+        return Plan(slots)
+    t_plan = time.time()
+    entries = [
+        [
+            (run.keys.samples_for(run.fleet.nodes[i]), run.fleet.entry(i, t_plan + k * SLOT_S))
+            for i in batch
         ]
+        for k, batch in enumerate(slots)
+    ]
+    return Plan(slots, entries)
+
+
+def produce(
+    run: Run, todo: Plan, tick: Callable[[float], None] | None = None
+) -> tuple[int, int, float]:
+    """Write what ``todo`` holds, one slot every 10 ms; ``tick(elapsed)`` after each slot.
+    (samples, entries, seconds it took.)"""
     written = entries = 0
     t0 = time.monotonic()
-    for k, batch in enumerate(slots):
+    for k, batch in enumerate(todo.slots):
         if batch:
-            if planned is not None:
-                written += _write_planned(run, planned[k])
-                planned[k] = []  # let what is written go
+            if todo.entries is not None:
+                written += _write_planned(run, todo.entries[k])
+                todo.entries[k] = []  # let what is written go
             else:
                 written += _write(run, [(i, time.time()) for i in batch], AGENT_MAXLEN)
             entries += len(batch)
@@ -333,7 +349,7 @@ def produce(
         pause = t0 + (k + 1) * SLOT_S - time.monotonic()
         if pause > 0:
             time.sleep(pause)
-    return written, entries, time.monotonic() - t0, "live" if planned is None else "precomputed"
+    return written, entries, time.monotonic() - t0
 
 
 def _write_planned(run: Run, batch: list[tuple[str, dict[Any, Any]]]) -> int:
@@ -347,6 +363,7 @@ def _write_planned(run: Run, batch: list[tuple[str, dict[Any, Any]]]) -> int:
 
 
 def rated(run: Run, rate: float, seconds: float, soak: bool, timeout_s: float) -> dict[str, Any]:
+    todo = plan(run, rate, seconds)  # before the services start and the clock does
     run.start_services()
     streams = run.keys.all_samples()
     if not wait_for(lambda: all(run.has_group(s) for s in streams), 30):
@@ -359,7 +376,7 @@ def rated(run: Run, rate: float, seconds: float, soak: bool, timeout_s: float) -
         if soak and elapsed >= len(series) * SOAK_EVERY_S:
             series.append([round(elapsed, 1), run.rss()])
 
-    written, entries, took, producer = produce(run, rate, seconds, record)
+    written, entries, took = produce(run, todo, record)
     backlog = group_progress(run.client, streams, run.group)[2]
     if not wait_for(run.drained, timeout_s):
         raise IngestBenchError(f"the service had not caught up {timeout_s:.0f} s after the run")
@@ -373,7 +390,7 @@ def rated(run: Run, rate: float, seconds: float, soak: bool, timeout_s: float) -
     out |= _common(run, written, entries)
     out |= {
         "rate_target": rate,
-        "producer": producer,
+        "producer": todo.producer,
         "rate_achieved": round(written / took),
         "seconds": round(took, 2),
         "backlog_entries_at_end": backlog,

@@ -37,9 +37,9 @@ from typing import Any
 import redis
 
 from oomcast.collectors.streams import stream_fields
-from oomcast.model.wire import Keys, answer
+from oomcast.model.wire import Keys
 from oomcast.service.bench_ingest import DRAIN_HZ
-from oomcast.service.bench_load import GPUS_PER_NODE, Fleet, cpu_seconds, rss_mb
+from oomcast.service.bench_load import GPUS_PER_NODE, Fleet, cpu_seconds, group_progress, rss_mb
 from oomcast.service.faults.procs import FaultBenchError, Procs, Service, start_service, wait_for
 from oomcast.service.local_cluster import LocalCluster, LocalClusterError
 
@@ -98,18 +98,6 @@ def prefill(
                 entries += 1
             pipe.execute()
     return samples, entries
-
-
-def backlog(client: redis.RedisCluster, keys: Keys) -> tuple[int, int]:
-    """(pending, unread) entries of the service's group over every partition's stream."""
-    pending = unread = 0
-    for stream in keys.all_samples():
-        groups: Any = client.xinfo_groups(stream)
-        for g in groups:
-            if g["name"] in (GROUP, GROUP.encode()):
-                pending += int(g["pending"])
-                unread += int(g["lag"]) if g["lag"] is not None else answer(client.xlen(stream))
-    return pending, unread
 
 
 def command_calls(cluster: LocalCluster) -> dict[str, int]:
@@ -206,7 +194,7 @@ def drain_with(
         while True:
             now = time.monotonic()
             cpu = [cpu_seconds(pid) for pid in pids]
-            pending, unread = backlog(client, run.keys)
+            _, pending, unread = group_progress(client, streams, GROUP)
             if pending == 0 and unread == 0:
                 break
             if now - t0 > timeout_s or not all(s.alive() for s in run.replicas):

@@ -121,7 +121,9 @@ def latency_buckets(metrics: dict[str, float]) -> list[tuple[float, float]]:
     return sorted(out)
 
 
-def group_progress(client: redis.Redis, streams: list[str], group: str) -> tuple[int, int, int]:
+def group_progress(
+    client: redis.Redis | redis.RedisCluster, streams: list[str], group: str
+) -> tuple[int, int, int]:
     """(entries read, pending, lag) of the service's group, summed over the streams; a
     stream without the group yet counts as nothing read."""
     read = pending = lag = 0

@@ -25,6 +25,7 @@ from support import oomcast_cmd, wait_until
 
 from oomcast.model.schema import Sample
 from oomcast.model.wire import Keys, encode_samples, sample_payload
+from oomcast.service.bench_load import group_progress
 from oomcast.service.local_cluster import LocalCluster, LocalClusterError, binaries
 
 GIB = 1 << 30
@@ -132,12 +133,5 @@ def owned(port: int) -> list[int]:
 def group_backlog(client: redis.RedisCluster, keys: Keys, group: str) -> tuple[int, int]:
     """(pending, lag) of ``group`` summed over every partition's stream: (0, 0) once every
     entry written was read and acknowledged."""
-    pending = lag = 0
-    for stream in keys.all_samples():
-        groups: Any = client.xinfo_groups(stream)
-        for g in groups:
-            if g["name"] in (group, group.encode()):
-                pending += int(g["pending"])
-                unknown = g["lag"] is None  # Redis cannot tell: count every entry as unread
-                lag += int(client.xlen(stream)) if unknown else int(g["lag"])
+    _, pending, lag = group_progress(client, keys.all_samples(), group)
     return pending, lag

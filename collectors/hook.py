@@ -55,7 +55,9 @@ Hugging Face callbacks (:mod:`oomcast.collectors.integrations`) do.
 
 **Where things are**: settings and their ``OOMCAST_*`` variables in ``hook_settings``,
 reading the figures in ``hook_memory``, the queues and the publishing thread in
-``hook_outbox``, checkpoint requests in ``hook_jobctl``, the benchmark in ``hook_bench``.
+``hook_outbox``, checkpoint requests in ``hook_jobctl``, the training step, phases and the
+job's schedule (``set_schedule``, ``phase()``) in ``hook_phases``, the benchmark in
+``hook_bench``.
 """
 
 from __future__ import annotations
@@ -65,7 +67,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 import weakref
@@ -75,6 +76,7 @@ from typing import Any
 import redis
 
 from oomcast.collectors.hook_bench import bench_hook
+from oomcast.collectors.hook_bundle import BundleHook
 from oomcast.collectors.hook_jobctl import (
     CheckpointRequest,
     CheckpointRequests,
@@ -87,6 +89,7 @@ from oomcast.collectors.hook_memory import (
     cuda_device_name,
     cuda_torch,
     format_gpu_uuid,
+    is_oom_error,
     memory_limit_bytes,
 )
 from oomcast.collectors.hook_outbox import HookOutbox, HookStats, OutEvent
@@ -122,7 +125,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class MemoryHook:
+class MemoryHook(BundleHook):
     """Samples memory at each ``step()`` and publishes it from a background thread; turns
     OOMs into events and relays checkpoint requests. See the module docstring."""
 
@@ -151,13 +154,12 @@ class MemoryHook:
         redis_timeout_s: float = 2.0,
         close_timeout_s: float = 5.0,
         oom_timeout_s: float = 2.0,
+        bundle_dir: str | None = None,
     ) -> None:
         """Every argument but ``device`` is a setting: :class:`HookSettings` documents each
         and the ``OOMCAST_*`` variable that an argument left unset falls back to.
         device: the CUDA device to watch (index, ``"cuda:1"``, torch.device); default current.
         """
-        # every argument but the device is a setting: the settings object reads them, and
-        # the environment for those left unset, once
         args = {k: v for k, v in locals().items() if k not in ("self", "device")}
         self.settings = st = HookSettings.from_env(**args)
         self.job, self.node, self.keys, self.redis_url = st.job, st.node, st.keys, st.redis_url
@@ -182,6 +184,7 @@ class MemoryHook:
         self._client: redis.Redis | None = None
         self._jobctl: JobControlReader | None = None
         self._next_control = 0.0
+        self._init_mixins()  # phases and bundles (hook_phases.py, hook_bundle.py)
         self._outbox = HookOutbox(
             self.node,
             self.keys,
@@ -240,11 +243,13 @@ class MemoryHook:
 
     # --- the training loop's side -------------------------------------------------------------
 
-    def step(self) -> None:
-        """Take a sample and queue it (never blocks; never raises for a failed read)."""
+    def step(self, step: int | None = None) -> None:
+        """Take a sample and queue it (never blocks; never raises for a failed read);
+        ``step``: the job's count of completed steps (default: one more than before)."""
         if self._off:
             return
         self.stats.steps += 1
+        self._advance(step)
         if self.settings.min_interval_s:
             now = time.monotonic()
             if now < self._next_sample_at:
@@ -254,7 +259,7 @@ class MemoryHook:
         # A completed step after an OOM: the next OOM is a new one.
         self._oom_open = False
 
-    def _sample(self) -> None:
+    def _sample(self) -> Sample | None:
         try:
             sample, ooms = self._read()
         except Exception as exc:
@@ -262,7 +267,7 @@ class MemoryHook:
             if not self._read_error_logged:
                 self._read_error_logged = True
                 log.warning("oomcast hook: reading memory failed (%r); step goes on", exc)
-            return
+            return None
         if ooms is not None:
             if self._num_ooms is not None and ooms > self._num_ooms:
                 # it happened during the step, before this sample: the sample is the first of
@@ -272,6 +277,8 @@ class MemoryHook:
             self._num_ooms = ooms
         self.stats.samples += 1
         self._outbox.put_sample(sample)
+        self._noted(sample)
+        return sample
 
     def _read(self) -> tuple[Sample, int | None]:
         ts = time.time()
@@ -279,7 +286,7 @@ class MemoryHook:
             ts = self._last_ts + 1e-6
         self._last_ts = ts
         assert self._reader is not None
-        return self._reader.read(ts, self.node, self.job)
+        return self._reader.read(ts, self.node, self.job, self.step_number, self.current_phase)
 
     # --- OOMs ------------------------------------------------------------------------------------
 
@@ -308,13 +315,7 @@ class MemoryHook:
 
     def is_oom(self, exc: BaseException) -> bool:
         """Whether ``exc`` is an out-of-memory error of this hook's domain."""
-        if self._off:
-            return False
-        torch = sys.modules.get("torch")
-        oom_error = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
-        if oom_error is not None and isinstance(exc, oom_error):
-            return True
-        return self.mode == "host" and isinstance(exc, MemoryError)
+        return not self._off and is_oom_error(exc, self.mode)
 
     def report_oom(self, exc: BaseException | None = None, timeout_s: float | None = None) -> bool:
         """Publish an ``oom`` event now, with what is queued before it, waiting at most
@@ -323,6 +324,7 @@ class MemoryHook:
             return False
         timeout = self.settings.oom_timeout_s if timeout_s is None else timeout_s
         ev = self._note_oom("exception", type(exc).__name__ if exc is not None else None)
+        self.bundle_soon(f"out of memory: {type(exc).__name__ if exc else 'reported'}")
         if self.flush(timeout):
             return True
         return self._outbox.send_directly(

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -110,6 +111,16 @@ def memory_limit_bytes(
     return min(limits) if limits else None
 
 
+def is_oom_error(exc: BaseException, mode: str) -> bool:
+    """Whether ``exc`` is an out-of-memory error of a hook in ``mode``: torch's
+    ``OutOfMemoryError`` (when torch is loaded), and in host mode ``MemoryError`` too."""
+    torch = sys.modules.get("torch")
+    oom_error = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if oom_error is not None and isinstance(exc, oom_error):
+        return True
+    return mode == "host" and isinstance(exc, MemoryError)
+
+
 def cuda_torch(required: bool) -> Any:
     """torch, when it is installed and sees CUDA; else None, or RuntimeError if ``required``."""
     try:
@@ -160,8 +171,16 @@ class CudaReader:
 
         attach(observer)
 
-    def read(self, ts: float, node: str, job: str | None) -> tuple[Sample, int | None]:
-        """The sample, and the allocator's count of OOMs so far."""
+    def read(
+        self,
+        ts: float,
+        node: str,
+        job: str | None,
+        step: int | None = None,
+        phase: str | None = None,
+    ) -> tuple[Sample, int | None]:
+        """The sample (with the job's ``step`` and ``phase``), and the allocator's count of
+        OOMs so far."""
         cuda = self.torch.cuda
         i = self.index
         stats = cuda.memory_stats(i)
@@ -192,6 +211,8 @@ class CudaReader:
             peak_bytes=peak,
             alloc_retries=retries,
             job=job,
+            step=step,
+            phase=phase,
         )
         return sample, ooms
 
@@ -229,7 +250,14 @@ class HostReader:
         if time.monotonic() - self._total_at > HOST_TOTAL_REFRESH_S:
             self._refresh_total()
 
-    def read(self, ts: float, node: str, job: str | None) -> tuple[Sample, int | None]:
+    def read(
+        self,
+        ts: float,
+        node: str,
+        job: str | None,
+        step: int | None = None,
+        phase: str | None = None,
+    ) -> tuple[Sample, int | None]:
         used, peak = self.memory.read()
         sample = Sample(
             ts=ts,
@@ -240,6 +268,8 @@ class HostReader:
             used_bytes=used,
             peak_bytes=peak,
             job=job,
+            step=step,
+            phase=phase,
         )
         return sample, None
 

@@ -12,6 +12,7 @@ setting                variable                   default
                        ``OOMCAST_PARTITIONS``
 ``mode``               ``OOMCAST_HOOK``           ``auto``; the variable's ``cuda``/``host``
                                                   apply to ``auto`` only, ``off`` to any
+``bundle_dir``         ``OOMCAST_BUNDLE_DIR``     ``<tmp>/oomcast-bundles``; ``off``: none
 =====================  =========================  ===========================================
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -86,6 +88,7 @@ class HookSettings:
     redis_timeout_s: float = 2.0
     close_timeout_s: float = 5.0
     oom_timeout_s: float = 2.0
+    bundle_dir: str | None = None  # diagnosis bundles (hook_bundle.py); None: none written
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "cuda", "host"):
@@ -139,5 +142,15 @@ class HookSettings:
             mode=mode,
             enabled=off_by is None,
             off_by=off_by,
+            bundle_dir=_bundle_dir(env, tuning.pop("bundle_dir", None)),
             **tuning,  # type: ignore[arg-type]
         )
+
+
+def _bundle_dir(env: Mapping[str, str], given: object) -> str | None:
+    """Where diagnosis bundles go: the argument, else ``OOMCAST_BUNDLE_DIR``, else a folder
+    under the system's temporary directory; ``off`` (either way) writes none."""
+    raw = str(given) if given is not None else env.get("OOMCAST_BUNDLE_DIR", "").strip()
+    if raw.lower() in OFF_VALUES:
+        return None
+    return raw or os.path.join(tempfile.gettempdir(), "oomcast-bundles")

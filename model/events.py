@@ -1,5 +1,5 @@
 """Events that carry keys of their own besides the standard ones (DESIGN.md: readers ignore
-keys they do not know).
+keys they do not know), and the one event the service reads such keys of: ``schedule``.
 
 A checkpoint acknowledgement names the request it answers, an action result its outcome:
 :class:`DetailedEvent` is an :class:`~oomcast.model.schema.Event` with those extra keys, so
@@ -10,11 +10,19 @@ to its standard part.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomcast.model.schema import Event
+from oomcast.model.schema import (
+    Event,
+    SchemaError,
+    _count,
+    _name,
+    _optional_str,
+    _ts,
+)
 
 STANDARD_KEYS = ("ts", "node", "device", "event", "job")
 
@@ -66,3 +74,116 @@ class DetailedEvent(Event):
             out["job"] = self.job
         out.update(self.extra)
         return out
+
+
+# --- the job's schedule -----------------------------------------------------------------------
+
+# The phases a schedule may give extra bytes for: the ones that come at a known step (eval
+# and checkpoint every N steps; the optimizer's first step, when its state appears).
+SCHEDULED_PHASES = ("eval", "checkpoint", "optimizer")
+SCHEDULE = "schedule"
+
+
+@dataclass(slots=True, frozen=True)
+class ScheduleEvent(Event):
+    """A ``schedule`` event (DESIGN.md): when a job's periodic phases come and how much
+    memory each needs on top of the level between them.
+
+    ``eval_every_steps`` / ``checkpoint_every_steps``: the period, in training steps (the
+    ``step`` of the samples), or None when the phase does not recur on a step count;
+    ``step_s``: seconds per step as the job announces it (None: measured from the samples);
+    ``phase_extra_bytes``: phase -> bytes the phase needs above the level before it;
+    ``measured``: the phases whose figure was measured on a real occurrence (the others are
+    announced: given by the user or a preflight run)."""
+
+    eval_every_steps: int | None = None
+    checkpoint_every_steps: int | None = None
+    step_s: float | None = None
+    phase_extra_bytes: Mapping[str, int] = field(default_factory=dict)
+    measured: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ts": self.ts, "node": self.node, "device": self.device}
+        out["event"] = self.event
+        if self.job is not None:
+            out["job"] = self.job
+        for key in ("eval_every_steps", "checkpoint_every_steps", "step_s"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        out["phase_extra_bytes"] = dict(self.phase_extra_bytes)
+        if self.measured:
+            out["measured"] = list(self.measured)
+        return out
+
+    def to_detailed(self) -> DetailedEvent:
+        """As a :class:`DetailedEvent`, the form the in-job hook queues its events in."""
+        return DetailedEvent.from_dict(self.to_dict())
+
+
+def _period(obj: Mapping[str, Any], key: str) -> int | None:
+    value = _count(dict(obj), key, required=False)
+    if value == 0:
+        raise SchemaError(key, "must be at least 1 step (leave it out when the phase has none)")
+    return value
+
+
+def _step_s(obj: Mapping[str, Any]) -> float | None:
+    value = obj.get("step_s")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SchemaError("step_s", f"must be a number of seconds, got {str(value)[:80]!r}")
+    try:
+        seconds = float(value)
+    except OverflowError:
+        raise SchemaError("step_s", "is far too large") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise SchemaError("step_s", f"must be a positive finite number of seconds, got {value!r}")
+    return seconds
+
+
+def _extra_bytes(obj: Mapping[str, Any]) -> dict[str, int]:
+    if "phase_extra_bytes" not in obj:
+        raise SchemaError("phase_extra_bytes", "is required (an empty object when none is known)")
+    raw = obj["phase_extra_bytes"]
+    if not isinstance(raw, Mapping):
+        raise SchemaError("phase_extra_bytes", f"must be an object, got {type(raw).__name__}")
+    out: dict[str, int] = {}
+    for phase, value in raw.items():
+        key = f"phase_extra_bytes.{str(phase)[:40]}"
+        if phase not in SCHEDULED_PHASES:
+            raise SchemaError(key, f"is not one of the phases {', '.join(SCHEDULED_PHASES)}")
+        count = _count({key: value}, key, required=True)
+        assert count is not None
+        out[phase] = count
+    return out
+
+
+def _measured(obj: Mapping[str, Any]) -> tuple[str, ...]:
+    raw = obj.get("measured")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not all(type(p) is str and p in SCHEDULED_PHASES for p in raw):
+        raise SchemaError("measured", f"must be a list of {', '.join(SCHEDULED_PHASES)}")
+    return tuple(dict.fromkeys(raw))
+
+
+def parse_schedule(obj: Mapping[str, Any]) -> ScheduleEvent:
+    """A ``schedule`` event, checked field by field; SchemaError names the field that is
+    wrong. Keys it does not know are ignored, as for every record."""
+    plain = dict(obj)
+    if plain.get("event") != SCHEDULE:
+        raise SchemaError("event", f"must be {SCHEDULE!r}, got {str(plain.get('event'))[:80]!r}")
+    return ScheduleEvent(
+        ts=_ts(plain),
+        node=_name(plain, "node"),
+        device=_name(plain, "device"),
+        event=SCHEDULE,
+        job=_optional_str(plain, "job"),
+        eval_every_steps=_period(plain, "eval_every_steps"),
+        checkpoint_every_steps=_period(plain, "checkpoint_every_steps"),
+        step_s=_step_s(plain),
+        phase_extra_bytes=_extra_bytes(plain),
+        measured=_measured(plain),
+    )

@@ -16,12 +16,18 @@ from typing import Any, cast
 
 import orjson
 
+from oomcast.model.processes import ProcessUse, parse_processes
+
 KINDS = ("gpu", "host")
 # used/allocated/reserved/peak may exceed capacity a little (a cgroup overshoots its limit
 # before reclaim, NVML rounds); more than twice the capacity is a unit mix-up or garbage.
 SANITY_FACTOR = 2.0
 MAX_COUNT = (1 << 63) - 1  # counters and byte counts must fit in a signed 64-bit integer
 OPTIONAL_BYTE_FIELDS = ("allocated_bytes", "reserved_bytes", "peak_bytes")
+# What a job is doing when the in-process hook samples it (``phase``, with the training
+# ``step``): the phase forecaster (model/phase.py) times the scheduled ones.
+PHASES = ("forward", "backward", "optimizer", "eval", "checkpoint", "other")
+_PHASE_SET = frozenset(PHASES)
 # Names are keys of live state, Redis fields and log lines: bounded, and free of control
 # characters (a newline in a device name would forge a log line). 512 leaves room for the
 # longest Kubernetes cgroup paths (``cgroup:/kubepods.slice/...``, about 200 characters).
@@ -54,6 +60,9 @@ class Sample:
     peak_bytes: int | None = None
     alloc_retries: int | None = None
     job: str | None = None
+    step: int | None = None  # training step of the job (the in-process hook's)
+    phase: str | None = None  # one of PHASES
+    processes: tuple[ProcessUse, ...] | None = None  # per-process GPU memory (model/processes.py)
 
     @property
     def domain(self) -> Domain:
@@ -78,6 +87,8 @@ class Sample:
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
+        if self.processes is not None:
+            out["processes"] = [p.to_dict() for p in self.processes]
         return out
 
 
@@ -87,6 +98,8 @@ _OPTIONAL_SAMPLE_FIELDS = (
     "peak_bytes",
     "alloc_retries",
     "job",
+    "step",
+    "phase",
 )
 
 
@@ -223,8 +236,20 @@ def _fast_sample(obj: dict[str, Any]) -> Sample | None:
         return None
     if job is not None and not _good_name(job, blank_ok=True):
         return None
+    step, phase = get("step"), get("phase")
+    if step is not None and (type(step) is not int or not 0 <= step <= MAX_COUNT):
+        return None
+    if phase is not None and (type(phase) is not str or phase not in _PHASE_SET):
+        return None
+    procs = get("processes")
+    if procs is not None:
+        procs, problem = parse_processes(procs, bound, _good_name)
+        if problem is not None:
+            return None
     node, device = cast(str, node), cast(str, device)
-    return Sample(ts, node, device, kind, total, used, alloc, reserved, peak, retries, job)
+    return Sample(
+        ts, node, device, kind, total, used, alloc, reserved, peak, retries, job, step, phase, procs
+    )
 
 
 def parse_sample(obj: dict[str, Any]) -> Sample:
@@ -272,7 +297,26 @@ def _checked_sample(obj: dict[str, Any]) -> Sample:
         peak_bytes=optional["peak_bytes"],
         alloc_retries=_count(obj, "alloc_retries", required=False),
         job=_optional_str(obj, "job"),
+        step=_count(obj, "step", required=False),
+        phase=_phase(obj),
+        processes=_processes(obj, bound),
     )
+
+
+def _processes(obj: dict[str, Any], bound: float) -> tuple[ProcessUse, ...] | None:
+    procs, problem = parse_processes(obj.get("processes"), bound, _good_name)
+    if problem is not None:
+        raise SchemaError("processes", problem)
+    return procs
+
+
+def _phase(obj: dict[str, Any]) -> str | None:
+    value = obj.get("phase")
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in _PHASE_SET:
+        raise SchemaError("phase", f"must be one of {', '.join(PHASES)}, got {str(value)[:80]!r}")
+    return value
 
 
 def parse_event(obj: dict[str, Any]) -> Event:
@@ -280,6 +324,11 @@ def parse_event(obj: dict[str, Any]) -> Event:
     if not isinstance(name, str) or not name:
         raise SchemaError("event", f"must be a non-empty string, got {str(name)[:80]!r}")
     _check_name("event", name)
+    if name == "schedule":
+        # events.py builds on this module: imported here, where it is needed, not at the top
+        from oomcast.model.events import parse_schedule
+
+        return parse_schedule(obj)
     return Event(
         ts=_ts(obj),
         node=_name(obj, "node"),

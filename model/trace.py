@@ -139,11 +139,18 @@ def find_traces(folder: Path | str) -> list[Path]:
 
 def nvml_view(sample: Sample) -> Sample:
     """A GPU sample as the NVML source alone would have seen it: whole-GPU use, no allocator
-    figures (allocated, reserved, step peak, retries come only from the in-process hook)."""
+    figures (allocated, reserved, step peak, retries, and the training step and phase come
+    only from the in-process hook)."""
     if sample.kind != "gpu":
         return sample
     return replace(
-        sample, allocated_bytes=None, reserved_bytes=None, peak_bytes=None, alloc_retries=None
+        sample,
+        allocated_bytes=None,
+        reserved_bytes=None,
+        peak_bytes=None,
+        alloc_retries=None,
+        step=None,
+        phase=None,
     )
 
 

@@ -140,6 +140,17 @@ def annotations_for(payload: Mapping[str, Any]) -> dict[str, str]:
     out = {"summary": summary, "description": "; ".join(parts)}
     if payload.get("episode"):
         out["episode"] = str(payload["episode"])
+    # Why, and what to do: their own annotations, so a template or a runbook link can use them
+    if payload.get("cause"):
+        cause = str(payload["cause"])
+        out["cause"] = cause + (f": {payload['evidence']}" if payload.get("evidence") else "")
+        out["summary"] += f" [cause: {cause}]"
+    remedies = payload.get("remedies") or []
+    if remedies:
+        out["remedies"] = "\n".join(f"- {r}" for r in remedies)
+    thin = payload.get("cause_thin") or []
+    if thin:
+        out["evidence_thin"] = "; ".join(str(t) for t in thin)
     return out
 
 

@@ -5,6 +5,9 @@ service image (no torch) both run this entry point:
 - ``cli_service``: ``serve``, ``demo``, ``bench``
 - ``cli_collect``: ``collect`` (the node agent), ``control-key`` (a node's key)
 - ``cli_training``: ``dump``, ``simulate``, ``evaluate``, ``train``, ``export``, ``card``
+- ``cli_preflight``: ``preflight`` (will a job fit a GPU; imports torch only when it runs)
+- ``cli_check``: ``check`` (settings, rules, model and Redis, before a deploy)
+- ``cli_explain``: ``explain`` (a diagnosis bundle or a PyTorch memory snapshot)
 
 Flag defaults that come from ``OOMCAST_*`` variables are read once, here, through
 ``service/settings.py`` (``CommandEnv``).
@@ -19,8 +22,15 @@ from collections.abc import Callable, Sequence
 
 from pydantic import ValidationError
 
-from oomcast.service import cli_collect, cli_service, cli_training
-from oomcast.service.cli_common import PROG, UsageError
+from oomcast.service import (
+    cli_check,
+    cli_collect,
+    cli_explain,
+    cli_preflight,
+    cli_service,
+    cli_training,
+)
+from oomcast.service.cli_common import PROG, UsageError, missing_extra, package_version
 from oomcast.service.settings import CommandEnv
 
 __all__ = ["UsageError", "build_parser", "main"]
@@ -38,7 +48,12 @@ def _command_env() -> CommandEnv:
 
 def build_parser(env: CommandEnv | None = None) -> argparse.ArgumentParser:
     env = env if env is not None else _command_env()
-    p = argparse.ArgumentParser(prog=PROG, description="Forecast GPU and container OOMs.")
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Forecast GPU and container OOMs before they happen, and act on them."
+        " Each command has its own --help.",
+    )
+    p.add_argument("--version", action="version", version=f"{PROG} {package_version()}")
     p.add_argument(
         "--log-level",
         default=env.log_level,
@@ -49,8 +64,42 @@ def build_parser(env: CommandEnv | None = None) -> argparse.ArgumentParser:
     cli_collect.add_parser(sub, env)
     cli_collect.add_control_key_parser(sub, env)
     cli_training.add_parsers(sub)
+    cli_preflight.add_parser(sub)
     cli_service.add_bench_parser(sub)
+    cli_check.add_parser(sub)
+    cli_explain.add_parser(sub)
+    _explain_every_command(sub)
     return p
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Shows an option's default after its help, unless the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and default not in (None, False, argparse.SUPPRESS, [], "")
+            and "%(default)" not in text
+            and "default" not in text.lower()
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _explain_every_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Every command's --help has a description (its one-line help when none was written)
+    and shows its options' defaults."""
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    for name, parser in sub.choices.items():
+        parser.formatter_class = _DefaultsFormatter
+        if parser.description is None:
+            text = helps.get(name) or name
+            parser.description = text[0].upper() + text[1:] + "."
+        for child in parser._actions:
+            if isinstance(child, argparse._SubParsersAction):
+                _explain_every_command(child)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -71,6 +120,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return func(args)
+    except ModuleNotFoundError as exc:
+        extra = missing_extra(exc.name or "")
+        if extra is None:
+            raise
+        print(
+            f"{PROG} {args.command}: error: this command needs {exc.name}, which is not"
+            f" installed: pip install 'oomcast[{extra}]'",
+            file=sys.stderr,
+        )
+        return 2
     except UsageError as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -357,14 +357,18 @@ def add_parser(sub: Any, env: CommandEnv) -> None:
         help="priority of jobs (or process names) matching GLOB, where a process does not"
         " set OOMCAST_PRIORITY itself (repeatable; default 0)",
     )
-    c.add_argument("--node", default=env.node or os.uname().nodename)
+    c.add_argument(
+        "--node",
+        default=env.node or os.uname().nodename,
+        help="this node's name in every sample ($OOMCAST_NODE, else the hostname)",
+    )
     c.add_argument("--gpus", type=int, default=4, help="simulated GPUs")
     c.add_argument(
         "--patterns",
         default="leak,sawtooth,step_growth,spiky",
         help="simulated patterns, cycled over the GPUs",
     )
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0, help="sim: random seed of the patterns")
     c.add_argument(
         "--buffer-samples",
         type=int,

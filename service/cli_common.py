@@ -15,10 +15,44 @@ PROG = "oomcast"
 REPO = Path(__file__).resolve().parents[1]
 CORPUS_TRACES = REPO / "training" / "traces" / "corpus"
 HOST_TRACES = REPO / "training" / "traces" / "host"
+SHIPPED_MODEL = REPO / "model" / "oomcast-lstm.onnx"  # model/runtime.DEFAULT_MODEL, torch-free
 
 
 class UsageError(Exception):
     """A mistake the user can fix; printed without a traceback."""
+
+
+# The extra of pyproject.toml that installs each optional top-level module a command imports.
+EXTRAS = {
+    "torch": "train",
+    "matplotlib": "train",
+    "onnx": "train",
+    "tqdm": "train",
+    "onnxruntime": "onnx",
+    "fastapi": "service",
+    "uvicorn": "service",
+    "pydantic": "collector",
+    "pydantic_settings": "collector",
+    "httpx": "service",
+    "prometheus_client": "service",
+    "yaml": "service",
+    "pynvml": "collector",
+    "rich": "demo",
+}
+
+
+def missing_extra(module: str) -> str | None:
+    """The extra that installs ``module`` (a dotted name is judged by its top level)."""
+    return EXTRAS.get(module.partition(".")[0])
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("oomcast")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def keys_from_env() -> Keys:

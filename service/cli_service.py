@@ -22,14 +22,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         settings = Settings()
     except ValidationError as exc:  # a bad OOMCAST_* value or rule file: say which, and stop
-        problems = [str(e["msg"]).removeprefix("Value error, ") for e in exc.errors()]
-        raise UsageError("; ".join(problems)) from None
+        raise UsageError(settings_problems(exc)) from None
+    if settings.model_path and settings.forecaster == "model":
+        from oomcast.model.runtime import ModelLoadError, OnnxForecaster
+
+        try:  # a named model that cannot load stops the service here, not after start-up
+            OnnxForecaster(settings.model_path)
+        except ModelLoadError as exc:
+            raise UsageError(f"OOMCAST_MODEL_PATH={settings.model_path}: {exc}") from None
     from oomcast.service.state import tune_gc
 
     app = create_app(settings)
     tune_gc()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def settings_problems(exc: Any) -> str:
+    """A pydantic ValidationError of ``Settings`` as sentences, each naming its variable
+    (``OOMCAST_ALERT_HORIZON_S: Input should be a valid integer ...``)."""
+    problems = []
+    for e in exc.errors():
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        loc = "_".join(str(part) for part in e.get("loc", ()))
+        if loc and not msg.startswith("OOMCAST_"):
+            value = e.get("input")
+            secret = any(w in loc for w in ("secret", "token", "url"))  # may hold a password
+            shown = f"={value!r}" if isinstance(value, str | int | float) and not secret else ""
+            msg = f"OOMCAST_{loc.upper()}{shown}: {msg}"
+        problems.append(msg)
+    return "; ".join(problems)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -209,8 +231,8 @@ def add_parsers(sub: Any, env: CommandEnv) -> None:
     d.set_defaults(func=cmd_demo, env=env)
 
     s = sub.add_parser("serve", help="run the service")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
     s.set_defaults(func=cmd_serve)
 
 
@@ -272,5 +294,5 @@ def add_bench_parser(sub: Any) -> None:
         help="ingest: oomcast serve replicas sharing the partitions (default 1); cluster: the"
         " replica counts to measure, in turn (default 1,2)",
     )
-    b.add_argument("--json", action="store_true")
+    b.add_argument("--json", action="store_true", help="print one JSON object of figures")
     b.set_defaults(func=cmd_bench)

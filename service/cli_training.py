@@ -15,6 +15,7 @@ from oomcast.service.cli_common import (
     CORPUS_TRACES,
     HOST_TRACES,
     PROG,
+    SHIPPED_MODEL,
     UsageError,
     keys_from_env,
 )
@@ -50,6 +51,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     if not args.out and not args.figures:
         raise UsageError("give --out DIR (traces) or --figures DIR (PNGs)")
+    if not 0.0 <= args.announce_share <= 1.0:
+        raise UsageError(f"--announce-share {args.announce_share:g}: must be between 0 and 1")
     from oomcast.training.simulate import simulate
 
     if args.figures:
@@ -65,6 +68,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         workers=args.workers,
         cache_dir=args.cache,
         overwrite=args.overwrite,
+        progress=not args.no_progress,
+        announce_share=args.announce_share,
     )
     ooms = sum(1 for t in manifest["traces"] if t["ooms"])
     splits = ", ".join(f"{k} {v}" for k, v in manifest["splits"].items())
@@ -106,6 +111,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         resample_s=args.resample_s,
         per_trace=args.per_trace,
         by_cause=args.by_cause,
+        progress=not args.no_progress,
+        phases=not args.no_phases,
     )
     print(
         json.dumps(result, indent=None if args.json else 1) if args.json else format_table(result)
@@ -172,6 +179,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if not Path(args.checkpoint).is_file():
         raise UsageError(f"--checkpoint {args.checkpoint}: no such file")
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        shipped = out.resolve() == SHIPPED_MODEL.resolve()
+        raise UsageError(
+            f"--out {out}: "
+            + ("that is the model shipped with oomcast" if shipped else "the file exists")
+            + "; give --force to replace it"
+        )
     path = export(args.checkpoint, args.out, version=args.version)
     print(f"wrote {path} ({path.stat().st_size} bytes)")
     return 0
@@ -208,7 +223,11 @@ def add_parsers(sub: Any) -> None:
         description="Read one node's samples and events back from Redis into a trace file"
         " (.jsonl or .jsonl.gz) that evaluate and train read.",
     )
-    du.add_argument("--node", required=True)
+    du.add_argument(
+        "--node",
+        required=True,
+        help="the node as its agent names it: its --node, by default the node's hostname",
+    )
     du.add_argument("--out", required=True, help="trace file to write")
     du.add_argument("--device", action="append", help="only this device (repeatable)")
     du.add_argument(
@@ -220,12 +239,21 @@ def add_parsers(sub: Any) -> None:
 
     m = sub.add_parser("simulate", help="write labelled traces (train/val/test split)")
     m.add_argument("--out", help="folder for the traces and manifest.json")
-    m.add_argument("--n", type=int, default=200)
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--n", type=int, default=200, help="traces to write")
+    m.add_argument("--seed", type=int, default=0, help="random seed (same seed, same traces)")
     m.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     m.add_argument("--cache", default="data/captures", help="where captured allocation logs go")
     m.add_argument("--figures", help="instead: write one PNG per scenario family here")
     m.add_argument("--overwrite", action="store_true", help="replace traces already in --out")
+    m.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    m.add_argument(
+        "--announce-share",
+        type=float,
+        default=0.5,
+        metavar="P",
+        help="share of scheduled jobs whose phases a preflight announces before they first run"
+        " (default %(default)s)",
+    )
     m.set_defaults(func=cmd_simulate)
 
     e = sub.add_parser("evaluate", help="score the forecasters on a folder of traces")
@@ -256,6 +284,13 @@ def add_parsers(sub: Any) -> None:
         "--by-cause",
         action="store_true",
         help="also score per cause, as the traces' manifest.json names them",
+    )
+    e.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    e.add_argument(
+        "--no-phases",
+        action="store_true",
+        help="score the detectors alone: without the phase forecasts the service merges in"
+        " where a trace has a schedule (the nvml view never has them)",
     )
     e.set_defaults(func=cmd_evaluate)
 
@@ -298,19 +333,26 @@ def add_parsers(sub: Any) -> None:
         " is also shown as NVML alone sees it, without allocator figures)",
     )
     t.add_argument("--max-minutes", type=float, default=30.0, help="default %(default)s")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="random seed")
     t.set_defaults(func=cmd_train)
 
-    x = sub.add_parser("export", help="export a checkpoint to ONNX")
-    x.add_argument("--checkpoint", default="runs/latest/checkpoint.pt")
-    x.add_argument("--out", default="model/oomcast-lstm.onnx")
-    x.add_argument("--version", default="lstm-dev")
+    x = sub.add_parser(
+        "export",
+        help="export a checkpoint to ONNX",
+        description="Write a trained checkpoint as the ONNX model the service loads"
+        " (OOMCAST_MODEL_PATH). It never replaces the model shipped with oomcast, or any"
+        " existing file, unless --force is given.",
+    )
+    x.add_argument("--checkpoint", default="runs/latest/checkpoint.pt", help="from oomcast train")
+    x.add_argument("--out", default="runs/latest/oomcast-lstm.onnx", help="ONNX file to write")
+    x.add_argument("--version", default="lstm-dev", help="model version the service reports")
+    x.add_argument("--force", action="store_true", help="replace --out if it exists")
     x.set_defaults(func=cmd_export)
 
     c = sub.add_parser(
         "card", help="measure a model and the baselines on held-out traces: tables and figures"
     )
-    c.add_argument("--model", default="model/oomcast-lstm.onnx")
+    c.add_argument("--model", default=str(SHIPPED_MODEL), help="ONNX model to measure")
     c.add_argument("--sim-test", default="data/sim/test", help="the simulated test split")
     c.add_argument(
         "--corpus", default=str(CORPUS_TRACES), help="the recorded corpus (its test programs)"

@@ -38,6 +38,7 @@ AUDITED_EVENTS = frozenset(
         "checkpoint_requested",
         "checkpoint_done",
         "checkpoint_failed",
+        "diagnosis_saved",  # the in-job hook wrote a diagnosis bundle (docs/diagnosis.md)
     }
 )
 

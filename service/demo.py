@@ -51,10 +51,11 @@ PARTITIONS = 2
 GIB = 1 << 30
 # (node, patterns cycled over its GPUs, seed): what the demo's ``oomcast collect`` processes
 # simulate. demo-node-a/gpu0 is the fast leak that OOMs 62-80 s in (tests pin it); the
-# others OOM later (leak, step_growth) or never (sawtooth, spiky, plateau).
+# others OOM later (step_growth; fragmenting, which the alert diagnoses as fragmentation)
+# or never (sawtooth, spiky, plateau).
 NODES: tuple[tuple[str, tuple[str, ...], int], ...] = (
     ("demo-node-a", ("fast_leak", "sawtooth", "step_growth", "spiky"), 1),
-    ("demo-node-b", ("plateau", "leak", "sawtooth", "spiky"), 2),
+    ("demo-node-b", ("plateau", "fragmenting", "sawtooth", "spiky"), 2),
 )
 GPUS_PER_NODE = 4
 SAMPLE_INTERVAL_S = 0.5

@@ -149,6 +149,9 @@ def summarize(
             f" predicted time_to_oom_s {predicted}, actual {actual:.1f}s from its observed_at"
             f" to the OOM at {at(o.ts)}; lead {o.ts - fired:.1f}s{source}"
         )
+        if e.first.get("cause"):
+            fix = (e.first.get("remedies") or ["-"])[0]
+            lines.append(f"    cause {e.first['cause']}; fix: {fix}")
     for e in false_alarms:
         fired = float(e.first.get("fired_at") or e.first.get("sent_at") or e.first["observed_at"])
         if e.resolved is not None:

@@ -25,10 +25,15 @@ def _alert_line(alert: dict[str, Any], signed: bool) -> str:
     sig = "signature ok" if signed else "BAD SIGNATURE"
     tto = alert.get("time_to_oom_s")
     tto_s = "" if tto is None else f", OOM in ~{tto:.0f}s"
-    return (
+    line = (
         f"{when} {alert['status'].upper():8} {alert['node']}/{alert['device']}"
         f" job={alert.get('job')}{tto_s} ({alert.get('reason')}; {sig})"
     )
+    remedies = alert.get("remedies") or []
+    if alert.get("status") == "firing" and alert.get("cause"):
+        line += f"\n         cause: {alert['cause']}"
+        line += f"; fix: {remedies[0]}" if remedies else ""
+    return line
 
 
 def _table(devices: list[dict[str, Any]], horizon: int) -> Any:

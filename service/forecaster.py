@@ -1,9 +1,11 @@
 """Which forecaster the service runs: the trained model, or a baseline, said loudly.
 
 ``OOMCAST_FORECASTER=model`` (the default) loads the ONNX model (``OOMCAST_MODEL_PATH``,
-else the one shipped in the package). If it is missing or fails to load, the service still
-starts, forecasting with a baseline, and says so in its log, ``/readyz`` and ``/metrics``:
-a forecaster that is worse than expected must never be mistaken for the real one.
+else the one shipped in the package). A model the operator named that cannot be loaded
+stops the service at start-up: a typo in the path must not quietly start a baseline. If the
+shipped model cannot be loaded (onnxruntime missing), the service still starts, forecasting
+with a baseline, and says so in its log, ``/readyz`` and ``/metrics``: a forecaster that is
+worse than expected must never be mistaken for the real one.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def choose(settings: Settings) -> Choice:
     try:
         fc = OnnxForecaster(path)
     except ModelLoadError as exc:
+        if settings.model_path:  # the operator named a model: a typo must not start a baseline
+            raise ModelLoadError(f"OOMCAST_MODEL_PATH={settings.model_path}: {exc}") from None
         return _fallback(str(exc))
     log.info("forecasting with model %s from %s on %s", fc.version, path, fc.provider)
     return Choice(Detector("model", fc, fc.rule), "model", f"loaded {path}", fc.provider)

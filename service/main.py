@@ -20,7 +20,17 @@ from oomcast.model.wire import Keys
 from oomcast.service import forecaster
 from oomcast.service.actions import Dispatcher
 from oomcast.service.alertmanager import AlertmanagerTarget
-from oomcast.service.api.routes import alerts, devices, health, predict, rules, samples
+from oomcast.service.api.routes import (
+    admit,
+    alerts,
+    apidocs,
+    dashboard,
+    devices,
+    health,
+    predict,
+    rules,
+    samples,
+)
 from oomcast.service.context import Deliveries, ServiceContext
 from oomcast.service.delivery import DeliveryWorker, Target
 from oomcast.service.edge import EdgeMiddleware
@@ -188,6 +198,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         summary="Forecasts out-of-memory failures of GPU training jobs before they happen.",
         lifespan=lifespan,
+        docs_url=None,  # Swagger UI from a CDN: blank offline; routes/apidocs.py serves /docs
+        redoc_url=None,
     )
 
     @app.exception_handler(RequestValidationError)
@@ -202,7 +214,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     token = settings.api_token.get_secret_value() if settings.api_token else None
     app.add_middleware(EdgeMiddleware, max_body_bytes=settings.max_body_bytes, api_token=token)
 
-    for module in (predict, samples, devices, alerts, rules):
+    for module in (predict, samples, devices, alerts, rules, admit):
         app.include_router(module.router, prefix="/v1")
     app.include_router(health.router)
+    app.include_router(apidocs.router)
+    app.include_router(dashboard.router)  # / and /static: the web dashboard
     return app

@@ -99,6 +99,17 @@ class Metrics:
         self.domains = Gauge(
             "oomcast_domains_live", "Memory domains with a live forecast", registry=r
         )
+        # Set at each scrape from the live state (not per sample): how the fleet stands now.
+        self.domains_by_risk = Gauge(
+            "oomcast_domains_by_risk",
+            "Live domains by their risk at the alert horizon (band: low < 0.2 <= elevated"
+            " < 0.5 <= high < 0.8 <= critical)",
+            ["band"],
+            registry=r,
+        )
+        self.alerts_firing = Gauge(
+            "oomcast_alerts_firing", "Live domains with at least one rule firing now", registry=r
+        )
         self.forecast_latency = Histogram(
             "oomcast_forecast_latency_seconds",
             "From a sample's arrival in Redis to its forecast",

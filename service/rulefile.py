@@ -89,8 +89,13 @@ class WhenSpec(_Strict):
                 "give exactly one detector: fire_risk (with horizon_s), time_to_oom_below_s,"
                 f" or model_rule: true (got {', '.join(chosen) or 'none'})"
             )
-        if self.fire_risk is not None and self.horizon_s not in HORIZONS_S:
+        if self.fire_risk is not None and self.horizon_s is None:
             raise ValueError(f"fire_risk needs horizon_s, one of {list(HORIZONS_S)}")
+        if self.fire_risk is not None and self.horizon_s not in HORIZONS_S:
+            raise ValueError(
+                f"horizon_s {self.horizon_s} is not a horizon the model forecasts; choose one of"
+                f" {list(HORIZONS_S)} (the nearest is {_nearest(self.horizon_s)})"
+            )
         if self.fire_risk is None and self.horizon_s is not None and not self.model_rule:
             raise ValueError("horizon_s goes with fire_risk")
         return self
@@ -299,3 +304,7 @@ def load_rules(path: str | Path, policy: AlertPolicy) -> list[Rule]:
     """The rules of a file, built (``model_rule`` takes ``policy``), highest priority first."""
     rules = [build_rule(s, policy) for s in check_rules_file(path).rules]
     return sorted(rules, key=lambda r: -r.priority)
+
+
+def _nearest(horizon: float | None) -> int:
+    return min(HORIZONS_S, key=lambda h: abs(h - (horizon or 0)))

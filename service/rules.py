@@ -180,6 +180,12 @@ class Alert:
     # all signed by its own node); None when it is. No destructive action (shed) may rest
     # on unattested evidence; notifications and checkpoints may.
     unattested: str | None = None
+    # Why the OOM is coming (model/causes.py: leak, fragmentation, phase:eval, ...), what
+    # would fix it, what it was read from, and what evidence was missing (service/explainer.py).
+    cause: str = "unknown"
+    remedies: tuple[str, ...] = ()
+    evidence: str | None = None
+    cause_thin: tuple[str, ...] = ()
 
     def to_payload(self) -> dict[str, Any]:
         """The alert as the service emits it (webhook body and audit record)."""
@@ -195,6 +201,10 @@ class Alert:
             "fired_at": self.fired_at,
             "sent_at": self.sent_at,
             "model_version": self.model_version,
+            "cause": self.cause,
+            "remedies": list(self.remedies),
+            "evidence": self.evidence,
+            "cause_thin": list(self.cause_thin),
             "episode": self.episode,
             "reason": self.reason,
             "used_bytes": self.used_bytes,

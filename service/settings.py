@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
+from pathlib import Path
 from urllib.parse import urlparse
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -18,7 +19,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from oomcast.model.cluster import cluster_url_problem
 from oomcast.model.forecast import HORIZONS_S
-from oomcast.model.wire import DEFAULT_KEY_PREFIX, DEFAULT_PARTITIONS, DEFAULT_REDIS_URL
+from oomcast.model.wire import (
+    DEFAULT_KEY_PREFIX,
+    DEFAULT_PARTITIONS,
+    DEFAULT_REDIS_URL,
+    redact_url,
+)
 
 
 def _default_consumer() -> str:
@@ -147,7 +153,8 @@ class Settings(BaseSettings):
     def _redis_url(cls, v: str) -> str:
         if urlparse(v).scheme not in ("redis", "rediss", "unix"):
             raise ValueError(
-                f"OOMCAST_REDIS_URL must be a redis://, rediss:// or unix:// URL: {v!r}"
+                "OOMCAST_REDIS_URL must be a redis://, rediss:// or unix:// URL:"
+                f" {redact_url(v)!r}"
             )
         return v
 
@@ -157,7 +164,7 @@ class Settings(BaseSettings):
         if v in (None, ""):
             return None
         if urlparse(v).scheme not in ("http", "https") or not urlparse(v).netloc:
-            raise ValueError(f"OOMCAST_WEBHOOK_URL must be an http(s) URL: {v!r}")
+            raise ValueError(f"OOMCAST_WEBHOOK_URL must be an http(s) URL: {redact_url(v)!r}")
         return v
 
     @field_validator("alertmanager_url")
@@ -166,7 +173,9 @@ class Settings(BaseSettings):
         if v in (None, ""):
             return None
         if urlparse(v).scheme not in ("http", "https") or not urlparse(v).netloc:
-            raise ValueError(f"OOMCAST_ALERTMANAGER_URL must be an http(s) URL: {v!r}")
+            raise ValueError(
+                f"OOMCAST_ALERTMANAGER_URL must be an http(s) URL: {redact_url(v)!r}"
+            )
         return v.rstrip("/")
 
     def rules_path(self) -> str:
@@ -182,6 +191,17 @@ class Settings(BaseSettings):
         if not self.partitions_owned.strip():
             return list(range(self.partitions))
         return parse_partition_set(self.partitions_owned, self.partitions)
+
+    @field_validator("model_path")
+    @classmethod
+    def _model_path(cls, v: str | None) -> str | None:
+        if v in (None, ""):
+            return None
+        if not Path(v).is_file():
+            raise ValueError(
+                f"OOMCAST_MODEL_PATH={v}: no such file (unset it to use the shipped model)"
+            )
+        return v
 
     @field_validator("alert_horizon_s")
     @classmethod

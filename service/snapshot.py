@@ -38,6 +38,7 @@ import redis.asyncio as aioredis
 
 from oomcast.model.embedding import EMBEDDING_VERSION, sample_dict
 from oomcast.model.forecast import Forecast, Forecaster, export_state, import_state
+from oomcast.model.phase import PhaseState
 from oomcast.model.schema import Domain, parse_sample
 from oomcast.service.history import History
 from oomcast.service.leases import lease_key
@@ -105,6 +106,7 @@ def encode(
         },
         "history": _encode_history(points),
         "episodes": {name: ep.to_dict() for name, ep in st.episodes.items()},
+        "phases": None if st.phases is None else st.phases.to_dict(),  # the job's schedule
         "scalars": {name: getattr(st, name) for name in SCALAR_FIELDS},
     }
     # orjson: the same JSON (no NaN can be in it: no time to OOM is null), a third the cost
@@ -252,6 +254,8 @@ def _restore(
     )
     for name, value in _scalars(body.get("scalars", {})).items():
         setattr(st, name, value)
+    phases = body.get("phases")  # absent from blobs older than phase forecasts
+    st.phases = None if phases is None else PhaseState.from_dict(phases)
     if st.last is not None and st.last.domain != domain:
         raise SnapshotError(f"snapshot of {domain} holds a sample of {st.last.domain}")
     same_model = body.get("model") == forecaster.version and body.get("emb_v") == EMBEDDING_VERSION

@@ -15,11 +15,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
+from oomcast.model.events import ScheduleEvent
 from oomcast.model.forecast import Embedding as ForecastEmbedding
 from oomcast.model.forecast import Forecast, Forecaster, release_state
+from oomcast.model.phase import PhaseForecast, PhaseState
 from oomcast.model.schema import Domain, Event, Sample, SchemaError
 from oomcast.service.device_query import DeviceFilter, DevicePage, RankCache, query_devices
+from oomcast.service.explainer import diagnosis_of, explained
 from oomcast.service.history import History
+from oomcast.service.phases import forget_job, on_schedule, phase_step
 from oomcast.service.rules import Alert, Episode, Rule, advance, end_episode, still_firing
 
 
@@ -47,10 +51,17 @@ class DomainState:
     # Which of the rules match the domain, and the (kind, job) that was computed for.
     rule_key: tuple[str, str | None] | None = None
     rule_matches: tuple[bool, ...] = ()
+    # The job's schedule, once it announced one (service/phases.py), and what the phase
+    # forecast made of the newest sample: its cause ("phase:eval") when it drives it.
+    phases: PhaseState | None = None
+    cause: str | None = None
+    phase_forecast: PhaseForecast | None = None
+    first: Sample | None = None  # the job's first sample: baselines for service/explainer.py
 
     def summary(self, horizon_s: int) -> dict[str, Any]:
         s, f = self.last, self.forecast
         assert s is not None and f is not None
+        why = diagnosis_of(self)
         return {
             "node": s.node,
             "device": s.device,
@@ -64,6 +75,13 @@ class DomainState:
             "alert_risk": round(f.risk_at(horizon_s), 4),
             "time_to_oom_s": None if f.time_to_oom_s is None else round(f.time_to_oom_s, 1),
             "model_version": f.model_version,
+            "allocated_bytes": s.allocated_bytes,
+            "reserved_bytes": s.reserved_bytes,
+            "cause": why.cause if why else "unknown",
+            "remedies": list(why.remedies) if why else [],
+            "evidence": why.evidence if why else None,
+            "cause_thin": list(why.thin) if why else [],
+            "phase": None if self.phase_forecast is None else self.phase_forecast.to_dict(),
             "alert": self._alert_summary(),
             "samples_seen": self.samples_seen,
             "ooms_seen": self.ooms_seen,
@@ -161,7 +179,7 @@ class LiveState:
                 continue
             alert = end_episode(ep, rule, last, job=job, reason=reason, now=now, new_job=new_job)
             if alert is not None:
-                out.append(alert)
+                out.append(explained(alert, st))
         return out
 
     def _state(self, domain: Domain) -> DomainState:
@@ -234,6 +252,7 @@ class LiveState:
             self._restart_forecaster(st)
             reason = f"job {sample.job} replaced {st.job}"
             result.alerts.extend(self._end_episodes(st, reason, now=now, new_job=True, job=st.job))
+            forget_job(st, sample.job)
         st.last = sample
         st.behind = 0
         if attested:
@@ -289,7 +308,8 @@ class LiveState:
             for rule in self.rules:
                 ep = st.episodes.get(rule.name)
                 if ep is not None and ep.firing:
-                    out.append(still_firing(ep, rule, st.last, st.forecast, st.job, now))
+                    alert = still_firing(ep, rule, st.last, st.forecast, st.job, now)
+                    out.append(explained(alert, st))
         return out
 
     def why_unattested(self, st: DomainState, attested: bool, now: float) -> str | None:
@@ -323,6 +343,8 @@ class LiveState:
             [e for _, _, e, _ in batch],
         )
         for (st, sample, _, attested), fc in zip(batch, forecasts, strict=True):
+            if st.phases is not None:  # only a domain whose job announced a schedule
+                fc = phase_step(st, sample, fc)
             self._record(st, sample, fc, now)
             episodes = st.episodes
             for rule, matched in zip(self.rules, self._matches(st, sample), strict=True):
@@ -336,7 +358,7 @@ class LiveState:
                     refused = self.why_unattested(st, attested, now)
                     if refused is not None:
                         alert = replace(alert, unattested=refused)
-                    result.alerts.append(alert)
+                    result.alerts.append(explained(alert, st))
             result.forecasts.append((st, fc))
 
     def _matches(self, st: DomainState, sample: Sample) -> tuple[bool, ...]:
@@ -354,6 +376,8 @@ class LiveState:
         st.last_seen_wall = now
         if sample.job is not None:
             st.job = sample.job
+        if st.first is None:
+            st.first = sample
         st.history.append(
             sample.ts,
             sample.used_bytes,
@@ -363,7 +387,13 @@ class LiveState:
         )
 
     def on_event(self, event: Event, now: float) -> list[Alert]:
-        """Record an event; an OOM ends the domain's episodes and restarts its forecaster."""
+        """Record an event; an OOM ends the domain's episodes and restarts its forecaster; a
+        schedule is kept for the domain's phase forecasts."""
+        if isinstance(event, ScheduleEvent):
+            st = self._state(event.domain)
+            st.last_seen_wall = max(st.last_seen_wall, now)  # not expired before its samples
+            on_schedule(st, event)
+            return []
         if event.event != "oom":
             return []
         st = self._state(event.domain)
@@ -373,6 +403,7 @@ class LiveState:
         out = self._end_episodes(st, "the job ran out of memory", now=now, new_job=True, job=st.job)
         # The job that OOMed is gone; its successor starts from a clean slate.
         self._restart_forecaster(st)
+        forget_job(st, None)
         return out
 
     def expire(self, now: float, live_after_s: float) -> list[Alert]:

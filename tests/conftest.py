@@ -19,6 +19,9 @@ from support import PrivateRedis, WebhookReceiver, v1_files, v2_files, write_fil
 from oomcast.collectors.cgroupfs import CgroupUnavailable, MemoryCgroup, default_root
 
 TEST_REDIS_URL = os.environ.get("OOMCAST_TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
+# In-job hooks write no diagnosis bundles unless a test asks for them (bundle_dir=...): the
+# default folder is shared by every process, and each bundle adds an event to the stream.
+os.environ.setdefault("OOMCAST_BUNDLE_DIR", "off")
 MIB = 1 << 20
 
 

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 from operator import index
+from typing import Any
 
 __all__ = [
     "K_LARGE_BUFFER",
@@ -182,6 +183,35 @@ class _Block:
         self.seg = seg
         self.requested = 0
         self.handle = 0
+
+
+def _snapshot_segment(
+    seg: _Segment, blocks: list[_Block], frames: Callable[[int], list[dict[str, Any]]] | None
+) -> dict[str, Any]:
+    """One segment of :meth:`CachingAllocatorSim.memory_snapshot` (consecutive blocks)."""
+    out = []
+    for b in blocks:
+        live = b.state == _ALLOC
+        out.append(
+            {
+                "address": b.ptr,
+                "size": b.size,
+                "requested_size": b.requested if live else 0,
+                "state": "active_allocated" if live else "inactive",
+                "frames": frames(b.handle) if live and frames is not None else [],
+            }
+        )
+    allocated = sum(b.size for b in blocks if b.state == _ALLOC)
+    return {
+        "address": blocks[0].ptr,
+        "total_size": sum(b.size for b in blocks),
+        "stream": 0,
+        "segment_type": "small" if seg.pool == _SMALL else "large",
+        "segment_pool_id": (0, 0),
+        "allocated_size": allocated,
+        "active_size": allocated,
+        "blocks": out,
+    }
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -421,6 +451,31 @@ class CachingAllocatorSim:
             num_ooms=self._num_ooms,
             segments=segments,
         )
+
+    def memory_snapshot(
+        self, frames: Callable[[int], list[dict[str, Any]]] | None = None
+    ) -> dict[str, Any]:
+        """The layout in the format of ``torch.cuda.memory._snapshot()``: ``segments``, each
+        with its ``blocks`` (``active_allocated`` or ``inactive``), and no ``device_traces``.
+        An expandable segment is listed as its contiguous mapped ranges, as torch does.
+        ``frames(handle)`` gives a live block's stack (``[{"filename", "line", "name"}]``)."""
+        by_ptr = self._blocks_by_ptr()
+        segments: list[dict[str, Any]] = []
+        for base in sorted(self._segments):
+            seg = self._segments[base]
+            run: list[_Block] = []
+            block: _Block | None = by_ptr[base]
+            while block is not None:
+                if block.state == _UNMAPPED:
+                    if run:
+                        segments.append(_snapshot_segment(seg, run, frames))
+                    run = []
+                else:
+                    run.append(block)
+                block = block.next
+            if run:
+                segments.append(_snapshot_segment(seg, run, frames))
+        return {"segments": segments, "device_traces": [[]]}
 
     def reset_peak_stats(self) -> None:
         self._peak_allocated = self._allocated

@@ -58,6 +58,20 @@ def _entries(
         low = "(" + (last.decode() if isinstance(last, bytes) else str(last))
 
 
+def nodes_seen(client: redis.Redis, keys: Keys, last: int = 200, most: int = 20) -> list[str]:
+    """Node names in the newest ``last`` entries of every sample stream (at most ``most``):
+    what to suggest when a dump names a node that streamed nothing."""
+    names: set[str] = set()
+    for p in range(keys.partitions):
+        for _entry_id, fields in answer(client.xrevrange(keys.samples(p), count=last)):
+            try:
+                decoded = decode_samples(fields or {})
+            except SchemaError:
+                continue
+            names.update(d.sample.node for d in decoded if not isinstance(d, SchemaError))
+    return sorted(names)[:most]
+
+
 def read_node(
     client: redis.Redis,
     keys: Keys,
@@ -126,7 +140,16 @@ def dump_trace(
     samples = [r for r in records if isinstance(r, Sample)]
     if not samples:
         where = f" devices {sorted(devices)}" if devices else ""
-        raise ValueError(f"no samples of node {node!r}{where} in {keys.samples_for(node)}")
+        seen = nodes_seen(client, keys)
+        hint = (
+            f"; nodes with recent samples: {', '.join(seen)}"
+            if seen
+            else "; the sample streams hold no recent samples"
+        )
+        raise ValueError(
+            f"no samples of node {node!r}{where} in {keys.samples_for(node)}{hint} (a node is"
+            " named by its agent's --node, by default the node's hostname)"
+        )
     path = Path(out)
     write_trace(path, records)
     events = [r for r in records if isinstance(r, Event)]

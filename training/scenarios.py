@@ -11,6 +11,19 @@ OOM: ``leak``, ``seq_growth``, ``fragmentation``, ``eval_no_grad``, ``optimizer_
 
 Everything is drawn from a ``random.Random(seed)``, so a trace is a pure function of its
 parameters.
+
+Samples carry what the in-job hook would publish beside the memory figures: ``step`` (the
+training steps completed) and ``phase`` (the phase the sample ends: ``other`` while the
+weights load, then ``forward``, ``backward``, ``optimizer``, ``eval``, ``checkpoint``). A job
+whose family has a scheduled phase (``eval_no_grad``: evals; ``checkpoint_spike`` and
+``spikes``: checkpoints; ``optimizer_state``: the first optimizer step) announces a
+``schedule`` event at its start (docs/phases.md): eval and checkpoint periods in steps, the
+nominal ``step_s``, and the phases' extra bytes as the hook knows them: for a share of the
+jobs (``announce_share``) the figures a preflight run would announce (the allocated bytes
+the phase needs above the level before it), for the others none; then, after each
+occurrence that needs more than the figure so far, the figure the hook measured (its peak
+less the higher of the level before and after it). ``neighbour`` jobs announce nothing: the
+arrival of another process on the GPU is not the job's to know.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from oomcast.model.events import SCHEDULED_PHASES, ScheduleEvent
 from oomcast.model.schema import Event, Record, Sample
 from oomcast.training.allocator import CachingAllocatorSim, SimOutOfMemory
 from oomcast.training.capture import CAPTURES, AllocationLog, Op, cached_capture
@@ -51,6 +65,15 @@ SCALED_PHASES = ("forward", "backward", "eval")  # activations grow with sequenc
 # Storages under 1 KiB (scalars, masks, step counters) are left out of the replay: on a GPU
 # they share a 2 MiB small-pool segment, and they are a fifth of all operations.
 MIN_OP_BYTES = 1024
+# Families whose job announces a schedule, and the phases it has (the first optimizer step
+# is every job's, but only ``optimizer_state`` makes it the one that matters).
+SCHEDULED = {
+    "eval_no_grad": ("eval", "optimizer"),
+    "checkpoint_spike": ("checkpoint", "optimizer"),
+    "spikes": ("checkpoint", "optimizer"),
+    "optimizer_state": ("optimizer",),
+}
+ANNOUNCE_SHARE = 0.5  # share of scheduled jobs whose phases a preflight run announces
 
 
 class NeighbourOutOfMemory(Exception):
@@ -147,6 +170,8 @@ class _Point:
     allocated: int
     reserved: int
     retries: int
+    step: int = 0  # training steps completed at this point
+    phase: str = "other"  # the phase that ends here
 
 
 class _Run:
@@ -173,9 +198,11 @@ class _Run:
         self.node, self.device = node, device
         self.job = f"{p.capture}-{p.family}-{p.seed}"
         self.points: list[_Point] = []
-        self.memo: dict[tuple[Any, int, int], list[tuple[float, int, int]]] = {}
+        self.memo: dict[tuple[Any, int, int], list[tuple[float, int, int, str]]] = {}
         self._compiled_cache: dict[tuple[int, float], list[tuple[bool, int, int, str]]] = {}
         self.dirty = False
+        self.steps_done = 0  # training steps completed (the hook's ``step``)
+        self.current = "other"  # the phase running now (the one an OOM happens in)
         # (time, bytes held outside the allocator from then on): context, NCCL, neighbours
         self.outside_events: list[tuple[float, int]] = [(0.0, self.outside)]
 
@@ -201,9 +228,18 @@ class _Run:
     def used(self, reserved: int) -> int:
         return self.outside + self.nccl + self.neighbour + reserved
 
-    def mark(self) -> None:
+    def mark(self, phase: str = "other") -> None:
         s = self.alloc.stats()
-        self.points.append(_Point(self.t, s.allocated_bytes, s.reserved_bytes, s.num_alloc_retries))
+        self.points.append(
+            _Point(
+                self.t,
+                s.allocated_bytes,
+                s.reserved_bytes,
+                s.num_alloc_retries,
+                self.steps_done,
+                phase,
+            )
+        )
 
     def apply(self, op: Op, factor: float = 1.0) -> None:
         if op.alloc:
@@ -243,37 +279,54 @@ class _Run:
                 self._compiled_cache[key] = out
         return out
 
-    def step(self, ops: list[Op], seconds: float, factor: float = 1.0, kind: int = 0) -> None:
-        """Replay one step's ops over ``seconds``, marking the state at each phase's end.
-        A step that returns the allocator to the state it started from is memoized: replaying
-        it again from that state would give the same stats, so it is skipped."""
+    def step(
+        self,
+        ops: list[Op],
+        seconds: float,
+        factor: float = 1.0,
+        kind: int = 0,
+        label: str | None = None,
+    ) -> None:
+        """Replay one step's ops over ``seconds``, marking the state at each phase's end
+        (named by its ops, or ``label``). A training step (no ``label``) counts one more
+        completed step at its end. A step that returns the allocator to the state it started
+        from is memoized: replaying it again from that state would give the same stats, so
+        it is skipped."""
         key = None
+        train = label is None
         if factor == 1.0 and not self.dirty:
             key = (self.alloc.state_key(), kind, self.alloc.capacity_bytes)
             cached = self.memo.get(key)
             if cached is not None:
                 t0 = self.t
                 retries = self.alloc.stats().num_alloc_retries
-                for frac, allocated, reserved in cached:
+                last = len(cached) - 1
+                for j, (frac, allocated, reserved, phase) in enumerate(cached):
                     self.t = t0 + frac * seconds
-                    self.points.append(_Point(self.t, allocated, reserved, retries))
+                    if j == last and train:
+                        self.steps_done += 1
+                    self.points.append(
+                        _Point(self.t, allocated, reserved, retries, self.steps_done, phase)
+                    )
                 return
         self.dirty = False
         t0 = self.t
         retries_before = self.alloc.stats().num_alloc_retries
-        marks: list[tuple[float, int, int]] = []
+        marks: list[tuple[float, int, int, str]] = []
         done = 0.0
         compiled = self._compiled(ops, factor)
         phase = compiled[0][3] if compiled else "forward"
+        self.current = label or phase
         malloc, free, handles = self.alloc.malloc, self.alloc.free, self.handles
         for is_alloc, sid, size, op_phase in compiled:
             if op_phase != phase:
                 done += PHASE_SHARE.get(phase, 0.0)
                 self.t = t0 + done * seconds
-                self.mark()
+                self.mark(label or phase)
                 pt = self.points[-1]
-                marks.append((done, pt.allocated, pt.reserved))
+                marks.append((done, pt.allocated, pt.reserved, pt.phase))
                 phase = op_phase
+                self.current = label or phase
             if is_alloc:
                 handles[sid] = malloc(size)
             else:
@@ -281,9 +334,11 @@ class _Run:
                 if h is not None:
                     free(h)
         self.t = t0 + seconds
-        self.mark()
+        if train:
+            self.steps_done += 1
+        self.mark(label or phase)
         pt = self.points[-1]
-        marks.append((1.0, pt.allocated, pt.reserved))
+        marks.append((1.0, pt.allocated, pt.reserved, pt.phase))
         # Only a step that needed no retry may be skipped later: a skipped step adds none.
         if (
             key is not None
@@ -318,10 +373,15 @@ def _sample_points(run: _Run, p: ScenarioParams, oom_t: float | None) -> list[Re
     peak_used = 0
     noise = random.Random(f"noise:{p.family}:{p.seed}")
     while t <= end_t + 1e-9:
-        # every point up to t contributes to the peak since the previous sample
+        # every point up to t contributes to the peak since the previous sample; a sample
+        # whose span saw a scheduled phase end is tagged with it (its peak covers it)
+        # with the step it ran at, as the hook's sample at the phase's end
+        tag: _Point | None = None
         while i + 1 < len(pts) and pts[i + 1].t <= t:
             i += 1
             peak_used = max(peak_used, run.outside_at(pts[i].t) + pts[i].reserved)
+            if _scheduled_end(pts[i]):
+                tag = pts[i]
         pt = pts[i]
         used = run.outside_at(t) + pt.reserved
         peak_used = max(peak_used, used)
@@ -340,11 +400,19 @@ def _sample_points(run: _Run, p: ScenarioParams, oom_t: float | None) -> list[Re
                 peak_bytes=min(run.total, max(used, peak_used)),
                 alloc_retries=pt.retries,
                 job=run.job,
+                step=pt.step if tag is None else tag.step,
+                phase=pt.phase if tag is None else tag.phase,
             )
         )
         peak_used = 0
         t += p.interval_s
     return records
+
+
+def _scheduled_end(pt: _Point) -> bool:
+    """The point ends an eval, a checkpoint or the first optimizer step (its state
+    appears): the phases a schedule times."""
+    return pt.phase in ("eval", "checkpoint") or (pt.phase == "optimizer" and pt.step == 1)
 
 
 def simulate_scenario(
@@ -354,9 +422,13 @@ def simulate_scenario(
     start_ts: float = 1_700_000_000.0,
     node: str = "sim-node",
     device: str = "gpu0",
+    announce_share: float = ANNOUNCE_SHARE,
 ) -> tuple[list[Record], dict[str, Any]]:
     """Run one scenario; returns its records (ending in an ``oom`` event if it OOMs) and a
-    summary for the manifest."""
+    summary for the manifest. ``announce_share``: the chance that a scheduled job's phases
+    are announced before they first run (drawn per trace, from its parameters)."""
+    if not 0.0 <= announce_share <= 1.0:
+        raise ValueError(f"announce_share={announce_share} must be between 0 and 1")
     log = cached_capture(p.capture, cache_dir)
     run = _Run(p, log, start_ts, node, device)
     first_ops, steady_ops = _train_ops(log)
@@ -366,13 +438,13 @@ def simulate_scenario(
     oom_job = run.job
     x = p.extra
     r = run.rng
+    eval_every = _every_steps(x.get("eval_every_s"), p.step_s)
+    ckpt_every = _every_steps(x.get("checkpoint_every_s"), p.step_s)
     try:
         run.load_weights(x.get("load_s", r.uniform(3, 20)))
         if p.nccl_mib:
             run.set_outside(nccl=p.nccl_mib * MIB)  # the first all-reduce creates NCCL's buffers
         run.step(first_ops, p.step_s, kind=1)
-        next_eval = x.get("eval_every_s", math.inf)
-        next_ckpt = x.get("checkpoint_every_s", math.inf)
         evals = 0
         leaked: list[int] = []
         leak_per_step = _leak_per_step(run, p) if p.family == "leak" else 0
@@ -385,20 +457,23 @@ def simulate_scenario(
                 leaked.append(run.extra(leak_per_step))  # losses kept with their graphs
             if p.family == "checkpoint_spike" and x["leak_per_s"]:
                 leaked.append(run.extra(int(x["leak_per_s"] * step_s * run.total)))
-            if run.t >= next_eval:
+            if eval_every and run.steps_done % eval_every == 0:
                 evals += 1
                 _eval_spike(run, p, eval_ops, evals)
-                next_eval += x["eval_every_s"]
-            if run.t >= next_ckpt:
-                run.step(ckpt_ops, p.step_s * 2, kind=2)
-                next_ckpt += x["checkpoint_every_s"]
+            if ckpt_every and run.steps_done % ckpt_every == 0:
+                run.step(ckpt_ops, p.step_s * 2, kind=2, label="checkpoint")
             if run.t >= neighbour_at and not _ramp_neighbour(run, p, step_s):
                 oom_job = f"neighbour-of-{run.job}"
                 raise NeighbourOutOfMemory()
     except (SimOutOfMemory, NeighbourOutOfMemory):
         oom_t = run.t
-        run.mark()
+        run.mark(run.current)
     records = _sample_points(run, p, oom_t)
+    announced = _announced(p, announce_share)
+    if p.family in SCHEDULED:
+        ops = {"first": first_ops, "steady": steady_ops, "eval": eval_ops, "checkpoint": ckpt_ops}
+        figures = _preflight_figures(run, p, ops) if announced else {}
+        records = _with_schedule(records, run, p, eval_every, ckpt_every, figures)
     if oom_t is not None:
         records.append(
             Event(
@@ -417,8 +492,114 @@ def simulate_scenario(
         "scale": round(run.scale, 3),
         "peak_reserved_gib": round(stats.peak_reserved_bytes / GIB, 3),
         "num_alloc_retries": stats.num_alloc_retries,
+        "schedule": p.family in SCHEDULED,
+        "announced": p.family in SCHEDULED and announced,
     }
     return records, summary
+
+
+def _every_steps(every_s: float | None, step_s: float) -> int | None:
+    """A period in seconds as the job schedules it: every so many steps."""
+    return None if every_s is None else max(1, round(every_s / step_s))
+
+
+def _announced(p: ScenarioParams, share: float) -> bool:
+    """Whether this job's phases are announced before they run (a preflight run did)."""
+    return random.Random(f"announce:{p.family}:{p.seed}").random() < share
+
+
+def _peak_above(ops: list[Op], scale: float, factor: float = 1.0) -> int:
+    """The most bytes ``ops`` hold at once above what was live before them (the ops as the
+    replay sees them: scaled, small storages left out): a preflight's estimate, allocated
+    bytes, without the allocator's rounding or fragmentation."""
+    live: dict[int, int] = {}
+    now = peak = 0
+    for op in ops:
+        if op.alloc:
+            if op.size < MIN_OP_BYTES:
+                continue
+            size = int(op.size * scale * (factor if op.phase in SCALED_PHASES else 1.0))
+            live[op.sid] = size
+            now += size
+            peak = max(peak, now)
+        else:
+            now -= live.pop(op.sid, 0)
+    return peak
+
+
+def _preflight_figures(run: _Run, p: ScenarioParams, ops: dict[str, list[Op]]) -> dict[str, int]:
+    """The extra bytes a preflight run would announce for the job's phases: for the first
+    optimizer step, the most the first train steps need above the loaded weights (the
+    first step creates the optimizer state, the next needs its activations beside it);
+    one eval (its first: its batches' activations held together); one checkpoint."""
+    figures = {"optimizer": _peak_above(ops["first"] + ops["steady"], run.scale)}
+    phases = SCHEDULED[p.family]
+    if "eval" in phases:
+        keep = max(1, int(p.extra.get("eval_batches", 1) * p.extra.get("eval_growth", 1.0)))
+        per_batch = sum(int(op.size * run.scale) for op in ops["eval"] if op.alloc)
+        figures["eval"] = keep * per_batch
+    if "checkpoint" in phases:
+        figures["checkpoint"] = _peak_above(ops["checkpoint"], run.scale)
+    return figures
+
+
+def _with_schedule(
+    records: list[Record],
+    run: _Run,
+    p: ScenarioParams,
+    eval_every: int | None,
+    ckpt_every: int | None,
+    announced: dict[str, int],
+) -> list[Record]:
+    """The samples with the hook's ``schedule`` events among them: one with the first
+    sample (the periods, the nominal step time, the announced figures), and one after each
+    sample that ends a phase which measured more than the figure so far (or for the first
+    time). The measure is the hook's (collectors/hook_phases.py): the tagged sample's peak
+    less the higher of the level before the phase and the tagged sample's own use."""
+    samples = [rec for rec in records if isinstance(rec, Sample)]
+    if not samples:
+        return records
+    figures = dict(announced)
+    measured: list[str] = []
+
+    def event(ts: float) -> ScheduleEvent:
+        return ScheduleEvent(
+            ts=ts,
+            node=run.node,
+            device=run.device,
+            event="schedule",
+            job=run.job,
+            eval_every_steps=eval_every,
+            checkpoint_every_steps=ckpt_every,
+            step_s=p.step_s,
+            phase_extra_bytes=dict(figures),
+            measured=tuple(measured),
+        )
+
+    out: list[Record] = [event(samples[0].ts)]
+    level: int | None = None
+    for s in samples:
+        out.append(s)
+        if s.phase not in SCHEDULED_PHASES:
+            level = s.used_bytes
+        elif _measures(s, measured) and level is not None:
+            phase = str(s.phase)
+            high = s.used_bytes if s.peak_bytes is None else s.peak_bytes
+            extra = max(0, high - max(level, s.used_bytes))
+            if phase not in measured or extra > figures.get(phase, 0):
+                figures[phase] = extra
+                if phase not in measured:
+                    measured.append(phase)
+                out.append(event(s.ts))
+    return out
+
+
+def _measures(s: Sample, measured: list[str]) -> bool:
+    """The sample ends a phase the hook measures: an eval, a checkpoint, or the first
+    optimizer step (once: the later ones find the state already there)."""
+    return s.phase in ("eval", "checkpoint") or (
+        s.phase == "optimizer" and "optimizer" not in measured
+    )
 
 
 def _leak_per_step(run: _Run, p: ScenarioParams) -> int:
@@ -449,13 +630,14 @@ def _eval_spike(run: _Run, p: ScenarioParams, eval_ops: list[Op], evals: int) ->
     x = p.extra
     keep = int(x.get("eval_batches", 1) * x.get("eval_growth", 1.0) ** evals)
     held: list[int] = []
+    run.current = "eval"
     for _ in range(max(1, keep)):  # no torch.no_grad(): activations stay alive
         held.extend(run.extra(int(op.size * run.scale)) for op in eval_ops if op.alloc)
         run.t += p.step_s * 0.3
-        run.mark()
+        run.mark("eval")
     for h in held:
         run.alloc.free(h)
-    run.mark()
+    run.mark("eval")
 
 
 def _ramp_neighbour(run: _Run, p: ScenarioParams, step_s: float) -> bool:

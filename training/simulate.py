@@ -22,7 +22,9 @@ from typing import Any
 
 from oomcast.model.trace import write_trace
 from oomcast.training.capture import CAPTURES, cached_capture
+from oomcast.training.progress import bar
 from oomcast.training.scenarios import (
+    ANNOUNCE_SHARE,
     FAMILIES,
     GROWTH_FAMILIES,
     MAX_SAMPLES,
@@ -47,8 +49,8 @@ def family_for(i: int) -> str:
     return pool[(i // 2) % len(pool)]
 
 
-def _one(job: tuple[int, int, str, str]) -> dict[str, Any]:
-    i, seed, out, cache = job
+def _one(job: tuple[int, int, str, str, float]) -> dict[str, Any]:
+    i, seed, out, cache, announce_share = job
     family = family_for(i)
     params = first = draw_params(family, seed * 1_000_003 + i)
     split = split_of(params.capture, params.gpu_gib)
@@ -59,6 +61,7 @@ def _one(job: tuple[int, int, str, str]) -> dict[str, Any]:
             start_ts=1_700_000_000.0 + i * 100_000.0,
             node=f"sim-{i:05d}",
             device=f"gpu{i % 8}",
+            announce_share=announce_share,
         )
         if family in SAFE_FAMILIES and summary["ooms"]:
             # a look-alike family must not OOM: the draw was too tight; loosen it, run again
@@ -92,9 +95,15 @@ def simulate(
     workers: int | None = None,
     cache_dir: Path | str = DEFAULT_CACHE,
     overwrite: bool = False,
+    progress: bool = False,
+    announce_share: float = ANNOUNCE_SHARE,
 ) -> dict[str, Any]:
+    """Write ``n`` traces and their manifest to ``out``. ``announce_share``: the chance that a
+    job with a schedule has its phases announced before they first run (training/scenarios.py)."""
     if n < 1:
         raise ValueError(f"n={n} must be at least 1")
+    if not 0.0 <= announce_share <= 1.0:
+        raise ValueError(f"announce_share={announce_share} must be between 0 and 1")
     out, cache = Path(out), Path(cache_dir)
     out.mkdir(parents=True, exist_ok=True)
     old = [p for split in SPLITS for p in (out / split).glob("*.jsonl.gz")]
@@ -107,17 +116,20 @@ def simulate(
     started = time.monotonic()
     for name in CAPTURES:  # run the captures once, before workers read them
         cached_capture(name, cache)
-    jobs = [(i, seed, str(out), str(cache)) for i in range(n)]
+    jobs = [(i, seed, str(out), str(cache), announce_share) for i in range(n)]
     workers = workers or min(len(jobs), os.cpu_count() or 1)
     if workers > 1:
         with mp.get_context("fork").Pool(workers) as pool:
-            entries = pool.map(_one, jobs, chunksize=max(1, n // (workers * 8)))
+            ordered = pool.imap(_one, jobs, chunksize=max(1, n // (workers * 8)))
+            entries = list(bar(ordered, total=n, desc="simulate", unit="trace", show=progress))
     else:
-        entries = [_one(job) for job in jobs]
+        one_by_one = (_one(job) for job in jobs)
+        entries = list(bar(one_by_one, total=n, desc="simulate", unit="trace", show=progress))
     manifest = {
         "generator": "scenarios",
         "seed": seed,
         "n": n,
+        "announce_share": announce_share,
         "families": list(FAMILIES),
         "splits": {s: sum(1 for e in entries if e["split"] == s) for s in SPLITS},
         "seconds": round(time.monotonic() - started, 1),

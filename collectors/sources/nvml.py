@@ -27,6 +27,7 @@ from typing import Any
 
 from oomcast.collectors.nvml import Nvml, ProcessMemory
 from oomcast.collectors.procinfo import ProcResolver
+from oomcast.model.processes import ProcessUse
 from oomcast.model.schema import Event, Record, Sample
 
 log = logging.getLogger(__name__)
@@ -327,7 +328,8 @@ class NvmlSource:
         if gpu.failing:
             log.info("GPU %s on %s reports again", gpu.name, self.node)
             gpu.failing = False
-        table = self._table(self.nvml.compute_processes(gpu.handle))
+        procs = self.nvml.compute_processes(gpu.handle)
+        table = self._table(procs)
         self._tables[gpu.name] = table
         gpu.job = main_job(table)
         self.stats.samples += 1
@@ -340,6 +342,10 @@ class NvmlSource:
                 total_bytes=mem.usable,
                 used_bytes=mem.used,
                 job=gpu.job,
+                # who is on the GPU: the service's evidence of a neighbour (None: unknown)
+                processes=None
+                if procs is None
+                else tuple(ProcessUse(p.pid, p.used_bytes, p.job or None) for p in table),
             )
         ]
 

@@ -9,7 +9,10 @@ This is a demo source; the realistic allocator simulator lives in ``training/``.
 Patterns: ``leak`` climbs steadily from its start-up level and OOMs after one to four
 minutes; ``fast_leak`` climbs the same way, faster, and OOMs 62-80 s into its job (so the
 demo shows an OOM, and a warning of it, within a minute and a half); ``step_growth`` grows
-in steps; ``sawtooth``, ``spiky`` and ``plateau`` look busy but never run out of memory.
+in steps; ``fragmenting`` is a job whose caching allocator reserves more and more while its
+live tensors stay near two thirds of it (the split blocks it caches fit none of its
+requests), its retry counter climbing near the end; ``sawtooth``, ``spiky`` and ``plateau``
+look busy but never run out of memory.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from dataclasses import dataclass, field
 from oomcast.model.schema import Event, Record, Sample
 
 GIB = 1 << 30
-PATTERNS = ("leak", "fast_leak", "step_growth", "sawtooth", "spiky", "plateau")
-OOM_PATTERNS = ("leak", "fast_leak", "step_growth")
+PATTERNS = ("leak", "fast_leak", "step_growth", "sawtooth", "spiky", "plateau", "fragmenting")
+OOM_PATTERNS = ("leak", "fast_leak", "step_growth", "fragmenting")
+FRAGMENTED_LIVE = 0.68  # fragmenting: live tensors' share of what the allocator reserved
 # a fast_leak's job time by which even the troughs of its activations reach capacity
 FAST_LEAK_OOM_BY_S = (72.0, 78.0)
 
@@ -86,6 +90,8 @@ class SimGPU:
             # times oom_by_s (+-1.5 s of noise), however the samples fall on the steps.
             rate = (1.0 - ctx - p["base"]) / p["oom_by_s"]
             return ctx + base + act * 0.5 + rate * t + noise
+        if self.pattern == "fragmenting":  # the reserved bytes climb; the live ones lag
+            return ctx + base + act * 0.5 + p["leak_per_s"] * 0.8 * t + noise
         if self.pattern == "step_growth":
             return ctx + base + act + p["step_frac"] * math.floor(t / p["step_every_s"]) + noise
         if self.pattern == "sawtooth":
@@ -116,7 +122,7 @@ class SimGPU:
             self._job_start = ts
         t = (ts - self._job_start) * self.time_scale
         frac = max(0.006, self._frac(t))
-        if frac >= 0.97:
+        if frac >= (0.88 if self.pattern == "fragmenting" else 0.97):
             self._retries += 1
         if frac >= 1.0:
             sample = self._sample(ts, 0.999)
@@ -129,7 +135,7 @@ class SimGPU:
         used = int(frac * self.total_bytes)
         ctx = int(0.006 * self.total_bytes)
         reserved = max(0, used - ctx)
-        allocated = int(reserved * 0.9)
+        allocated = int(reserved * (FRAGMENTED_LIVE if self.pattern == "fragmenting" else 0.9))
         peak = min(int(used * 1.02), self.total_bytes)
         return Sample(
             ts=round(ts, 3),

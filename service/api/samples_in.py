@@ -6,10 +6,12 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, JsonValue, WithJsonSchema
 
+from oomcast.model.processes import MAX_PROCESSES
 from oomcast.model.schema import (
     KINDS,
     MAX_NAME_CHARS,
     OPTIONAL_BYTE_FIELDS,
+    PHASES,
     SANITY_FACTOR,
     OrderChecker,
     Sample,
@@ -48,7 +50,7 @@ _NAME: dict[str, JsonValue] = {
 # client rounds them), so over HTTP a count stays at or below it: 8 PiB for a byte count.
 # The trace format itself allows up to 2**63 - 1 (MAX_COUNT).
 MAX_JSON_INT = 2**53
-COUNT_FIELDS = ("total_bytes", "used_bytes", *OPTIONAL_BYTE_FIELDS, "alloc_retries")
+COUNT_FIELDS = ("total_bytes", "used_bytes", *OPTIONAL_BYTE_FIELDS, "alloc_retries", "step")
 _COUNT: dict[str, JsonValue] = {"type": "integer", "minimum": 0, "maximum": MAX_JSON_INT}
 _OPTIONAL_COUNT: dict[str, JsonValue] = {**_COUNT, "type": ["integer", "null"]}
 
@@ -71,6 +73,33 @@ SAMPLE_SCHEMA: dict[str, JsonValue] = {
         "used_bytes": _COUNT,
         **{key: _OPTIONAL_COUNT for key in (*OPTIONAL_BYTE_FIELDS, "alloc_retries")},
         "job": {**_NAME, "type": ["string", "null"], "minLength": 0, "pattern": _JOB_PATTERN},
+        "step": {**_OPTIONAL_COUNT, "description": "training step (the in-process hook's)"},
+        "phase": {
+            "type": ["string", "null"],
+            "enum": [*PHASES, None],
+            "description": "what the job is doing (docs/phases.md)",
+        },
+        "processes": {
+            "type": ["array", "null"],
+            "maxItems": MAX_PROCESSES,
+            "description": "per-process memory of a GPU (NVML), each process's used_bytes at"
+            f" most {SANITY_FACTOR:g} times total_bytes",
+            "items": {
+                "type": "object",
+                "required": ["pid", "used_bytes"],
+                "properties": {
+                    "pid": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
+                    "used_bytes": _OPTIONAL_COUNT,
+                    "job": {
+                        **_NAME,
+                        "type": ["string", "null"],
+                        "minLength": 0,
+                        "pattern": _JOB_PATTERN,
+                    },
+                },
+                "additionalProperties": True,
+            },
+        },
     },
     "additionalProperties": True,
 }

@@ -890,3 +890,33 @@ def test_bench_hook_runs_and_cleans_up(
         assert out[key] > 0 and out[f"{key}_no_publish"] > 0
     assert out["records_published"] > 0
     assert list(rclient.scan_iter(match=f"{key_prefix}:*")) == []
+
+
+def test_a_cuda_bundle_holds_the_snapshot_and_the_allocator_figures(
+    fake_cuda: FakeCuda,
+    make_hook: Callable[..., MemoryHook],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """On CUDA the bundle carries torch.cuda.memory._snapshot() (here a simulated cache in
+    torch's format: 60% of it free in 8 MiB pieces) and `oomcast explain` reads it out."""
+    from oomcast.collectors.diagnosis import EXPANDABLE, analyse, read_file
+    from oomcast.training.allocator import CachingAllocatorSim
+
+    torch = pytest.importorskip("torch")
+    sim = CachingAllocatorSim(400 * MIB)
+    handles = [sim.malloc(8 * MIB) for _ in range(40)]
+    for h in handles[::2]:
+        sim.free(h)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda device=None: sim.memory_snapshot())
+    fake_cuda.props.total_memory = 400 * MIB
+    hook = make_hook("gpu-job", bundle_dir=str(tmp_path))
+    hook.step()
+    path = hook.write_bundle("test")
+    assert path is not None
+    snap, bundle = read_file(path)
+    assert bundle is not None and bundle["allocator"]["num_alloc_retries"] == 3
+    assert bundle["allocator"]["capacity_bytes"] == 400 * MIB
+    d = analyse(snap, bundle=bundle, failing_request=16 * MIB)
+    assert d.fragmentation == pytest.approx(0.6) and d.fits_largest_free is False
+    assert any(EXPANDABLE in r for r in d.remedies)

@@ -1,5 +1,6 @@
-"""The Lightning and Hugging Face callbacks, driven by duck-typed fake trainers (neither
-library is installed here) against the real Redis."""
+"""The Lightning and Hugging Face callbacks against the real Redis: driven by duck-typed
+fake trainers, and, where the libraries are installed, by a real ``transformers.Trainer`` and
+a real ``pytorch_lightning.Trainer`` (the schedule, step and phases)."""
 
 from __future__ import annotations
 
@@ -409,3 +410,133 @@ def test_importing_oomcast_needs_neither_library() -> None:
         " assert not {'lightning', 'pytorch_lightning', 'transformers', 'torch'} & set(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- the schedule, step and phases, from the real libraries ---
+
+
+def _tiny_batches() -> Any:
+    torch = pytest.importorskip("torch")
+    return torch.utils.data.TensorDataset(torch.randn(64, 4))
+
+
+def _published(client: redis.Redis, hook: MemoryHook) -> tuple[list[Any], list[Any]]:
+    from oomcast.model.events import ScheduleEvent
+    from oomcast.model.wire import DecodedSample, decode_event, decode_samples
+
+    schedules = [decode_event(f) for _, f in client.xrange(hook.keys.events)]
+    samples = [
+        d.sample
+        for _, f in client.xrange(hook.keys.samples_for(hook.node))
+        for d in decode_samples(f)
+        if isinstance(d, DecodedSample)
+    ]
+    return [e for e in schedules if isinstance(e, ScheduleEvent)], samples
+
+
+def test_hf_schedule_reads_steps_ratios_and_strategies(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    args = transformers.TrainingArguments
+    state = transformers.TrainerState(max_steps=1000)
+    steps = args(
+        output_dir=str(tmp_path), eval_strategy="steps", eval_steps=50, save_steps=200,
+        report_to=[], use_cpu=True,
+    )  # fmt: skip
+    assert integrations.hf_schedule(steps, state) == {
+        "eval_every_steps": 50,
+        "checkpoint_every_steps": 200,
+    }
+    ratio = args(
+        output_dir=str(tmp_path), eval_strategy="steps", eval_steps=0.25, save_strategy="no",
+        report_to=[], use_cpu=True,
+    )  # fmt: skip
+    assert integrations.hf_schedule(ratio, state) == {"eval_every_steps": 250}
+    epochs = args(
+        output_dir=str(tmp_path), eval_strategy="epoch", save_strategy="epoch", report_to=[],
+        use_cpu=True,
+    )  # fmt: skip
+    assert integrations.hf_schedule(epochs, state) == {}
+
+
+@pytest.mark.slow
+def test_a_real_hugging_face_trainer_announces_its_schedule_and_marks_its_phases(
+    hook: MemoryHook, rclient: redis.Redis, tmp_path: Path
+) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+    class Tiny(torch.nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 1)
+
+        def forward(self, x: Any, labels: Any = None) -> dict[str, Any]:
+            out = self.linear(x).squeeze(-1)
+            return {"loss": ((out - labels) ** 2).mean(), "logits": out}
+
+    class Rows(torch.utils.data.Dataset):  # type: ignore[misc]
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            return {"x": torch.full((4,), i / 64), "labels": torch.tensor(float(i % 2))}
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=12, eval_strategy="steps", eval_steps=5,
+        save_strategy="steps", save_steps=10, per_device_train_batch_size=4, report_to=[],
+        use_cpu=True, logging_steps=100, disable_tqdm=True, save_only_model=True,
+    )  # fmt: skip
+    cb = OomcastTrainerCallback(hook, phase_extra_bytes={"optimizer": 1 << 20})
+    trainer = transformers.Trainer(
+        model=Tiny(), args=args, train_dataset=Rows(), eval_dataset=Rows(), callbacks=[cb]
+    )
+    trainer.train()
+    assert hook.close()
+    schedules, samples = _published(rclient, hook)
+    first, last = schedules[0], schedules[-1]
+    assert (first.eval_every_steps, first.checkpoint_every_steps) == (5, 10)
+    assert dict(first.phase_extra_bytes) == {"optimizer": 1 << 20} and first.measured == ()
+    assert set(last.measured) == {"eval", "checkpoint"}  # measured on their first run
+    assert [s.step for s in samples if s.phase is None][1:] == list(range(1, 13))
+    marked = [(s.step, s.phase) for s in samples if s.phase is not None]
+    assert marked == [
+        (5, "eval"), (10, "eval"), (10, "checkpoint"), (12, "eval"), (12, "checkpoint")
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_real_lightning_fit_announces_its_schedule_and_marks_its_evals(
+    hook: MemoryHook, rclient: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch = pytest.importorskip("torch")
+    pl = pytest.importorskip("pytorch_lightning")
+    monkeypatch.setitem(sys.modules, "lightning", None)  # the one installed here, if any
+
+    class Tiny(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, i: int) -> Any:
+            return self.linear(batch[0]).pow(2).mean()
+
+        def validation_step(self, batch: Any, i: int) -> None:
+            self.log("v", self.linear(batch[0]).mean())
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    loader = torch.utils.data.DataLoader(_tiny_batches(), batch_size=4)
+    saves = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=6)
+    trainer = pl.Trainer(
+        max_steps=12, val_check_interval=4, callbacks=[OomcastLightningCallback(hook), saves],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+        default_root_dir=str(tmp_path), num_sanity_val_steps=0, limit_val_batches=2,
+    )  # fmt: skip
+    trainer.fit(Tiny(), loader, loader)
+    assert hook.close()
+    schedules, samples = _published(rclient, hook)
+    assert (schedules[0].eval_every_steps, schedules[0].checkpoint_every_steps) == (4, 6)
+    assert schedules[-1].measured == ("eval",)
+    evals = [s.step for s in samples if s.phase == "eval"]
+    assert evals == [4, 8, 12]

@@ -3,6 +3,7 @@ against a fake NVML; one test at the end uses the real driver where there is one
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from oomcast.collectors.nvml import MemoryInfo, Nvml, NvmlUnavailable, ProcessMe
 from oomcast.collectors.procinfo import ProcResolver
 from oomcast.collectors.publisher import StreamPublisher
 from oomcast.collectors.sources.nvml import GPU_LOST_EVENT, GpuProcess, NvmlSource, main_job
+from oomcast.model.processes import ProcessUse
 from oomcast.model.schema import Event, Sample, SchemaError, parse_record
 from oomcast.model.wire import Keys, decode_event, decode_samples
 from tests.collectors import fake_nvml
@@ -277,7 +279,15 @@ def test_one_sample_per_gpu_with_capacity_use_and_main_job(proc: Path) -> None:
     )
     source, _ = make_source(fake, proc)
     records = source.poll(T0)
-    assert records == [
+    # who is on each GPU rides along: largest first, with each pid's job (the neighbour cause)
+    gpu0, gpu1 = (r.processes for r in samples(records))
+    assert [(p.pid, p.used_bytes) for p in gpu0 or ()] == [
+        (1001, 38 * GIB),
+        (2001, 10 * GIB),
+        (1002, 2 * GIB),
+    ]
+    assert gpu0 is not None and gpu0[0].job == f"pod:{UID}" and gpu1 == ()
+    assert [dataclasses.replace(r, processes=None) for r in samples(records)] == [
         Sample(
             ts=T0,
             node="node-a",
@@ -509,9 +519,12 @@ def test_the_node_agent_publishes_what_the_source_reports(proc: Path) -> None:
     decoded = decode_samples(entry.fields)
     assert not any(isinstance(d, SchemaError) for d in decoded)
     assert [d.sample for d in decoded if not isinstance(d, SchemaError)] == [
-        Sample(T0, "node-a", "gpu0", "gpu", 80 * GIB - 512 * MIB, 10 * GIB, job=f"pod:{UID}"),
-        Sample(T0, "node-a", "gpu1", "gpu", 80 * GIB - 512 * MIB, 0),
-    ]
+        Sample(
+            T0, "node-a", "gpu0", "gpu", 80 * GIB - 512 * MIB, 10 * GIB, job=f"pod:{UID}",
+            processes=(ProcessUse(1001, 9 * GIB, f"pod:{UID}"),),
+        ),
+        Sample(T0, "node-a", "gpu1", "gpu", 80 * GIB - 512 * MIB, 0, processes=()),
+    ]  # fmt: skip
     assert all(d.emb is not None for d in decoded if not isinstance(d, SchemaError))
     fake.lose(1)
     samples_entry, event_entry = agent.build_entries(T0 + 1)

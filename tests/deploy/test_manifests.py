@@ -29,6 +29,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
+TRIAL = ROOT / "deploy" / "kubernetes-trial"  # the installation plus a trial Redis
 COMPOSE = ROOT / "deploy" / "compose.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
@@ -157,7 +158,9 @@ def construct(doc: dict[str, Any], model: type) -> Any:
 
 
 def manifest_files() -> list[Path]:
-    return sorted(p for p in KUBE.glob("*.yaml") if p.name != "kustomization.yaml")
+    """The base's manifests and the trial overlay's (deploy/kubernetes-trial)."""
+    found = [*KUBE.glob("*.yaml"), *TRIAL.glob("*.yaml")]
+    return sorted(p for p in found if p.name != "kustomization.yaml")
 
 
 def load_objects() -> list[tuple[str, dict[str, Any]]]:
@@ -798,7 +801,7 @@ def test_service_deployment() -> None:
 
 
 def test_trial_redis_is_labelled_as_such() -> None:
-    text = (KUBE / "redis.yaml").read_text()
+    text = (TRIAL / "redis.yaml").read_text()
     assert text.startswith("# NOT FOR PRODUCTION")
     secret = find("Secret", "oomcast-redis")
     url = urlparse(secret["stringData"]["url"])
@@ -811,17 +814,49 @@ def test_kustomization_lists_the_installation() -> None:
     assert kz["kind"] == "Kustomization"
     listed = kz["resources"]
     assert all((KUBE / r).is_file() for r in listed)
-    assert set(listed) == {p.name for p in manifest_files()} - {EXAMPLE}
+    assert set(listed) == {p.name for p in KUBE.glob("*.yaml")} - {EXAMPLE, "kustomization.yaml"}
+    trial = yaml.safe_load((TRIAL / "kustomization.yaml").read_text())
+    assert trial["resources"] == ["../kubernetes", "redis.yaml"]
+
+
+def _secrets(objects: list[dict[str, Any]]) -> list[str]:
+    return [d["metadata"]["name"] for d in objects if d["kind"] == "Secret"]
+
+
+def test_the_installation_never_overwrites_the_users_redis_secret() -> None:
+    """docs/deployment.md has the user create the oomcast-redis Secret, then apply the
+    kustomization: it used to include the trial Redis, whose Secret replaced theirs."""
+    base = [
+        d
+        for r in yaml.safe_load((KUBE / "kustomization.yaml").read_text())["resources"]
+        for d in yaml.safe_load_all((KUBE / r).read_text())
+        if d
+    ]
+    assert "oomcast-redis" not in _secrets(base)
+    trial = [d for d in yaml.safe_load_all((TRIAL / "redis.yaml").read_text()) if d]
+    assert "oomcast-redis" in _secrets(trial)
+    docs = (ROOT / "docs" / "deployment.md").read_text()
+    assert "create secret generic oomcast-redis" in docs
+    assert "kubectl apply -k deploy/kubernetes\n" in docs
+    assert "kubectl apply -k deploy/kubernetes-trial" in docs
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
-def test_kubectl_kustomize_builds() -> None:
+@pytest.mark.parametrize(
+    ("where", "has_redis"), [("kubernetes", False), ("kubernetes-trial", True)]
+)
+def test_kubectl_kustomize_builds(where: str, has_redis: bool) -> None:
     out = subprocess.run(
-        ["kubectl", "kustomize", str(KUBE)], capture_output=True, text=True, timeout=60
+        ["kubectl", "kustomize", str(ROOT / "deploy" / where)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    kinds = [d["kind"] for d in yaml.safe_load_all(out.stdout) if d]
+    objects = [d for d in yaml.safe_load_all(out.stdout) if d]
+    kinds = [d["kind"] for d in objects]
     assert "DaemonSet" in kinds and "Deployment" in kinds
+    assert ("oomcast-redis" in _secrets(objects)) is has_redis
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from oomcast.model.processes import ProcessUse
 from oomcast.model.schema import (
     SANITY_FACTOR,
     Event,
@@ -356,9 +357,12 @@ def test_to_dict_writes_every_field_of_a_sample_in_declaration_order() -> None:
     full = Sample(
         1.0, "n", "d", "gpu", 10, 5,
         allocated_bytes=1, reserved_bytes=2, peak_bytes=3, alloc_retries=4, job="j",
+        step=6, phase="eval", processes=(ProcessUse(7, 3, "j"),),
     )  # fmt: skip
     assert list(full.to_dict()) == [f.name for f in dataclasses.fields(Sample)]
-    assert full.to_dict() == dataclasses.asdict(full)
+    as_data = dataclasses.asdict(full)
+    as_data["processes"] = list(as_data["processes"])  # a list of objects in JSON
+    assert full.to_dict() == as_data
 
 
 # --- the fast path of parse_sample takes exactly what the field-by-field checks take --------
@@ -412,12 +416,14 @@ def _objects(draw: st.DrawFn) -> dict[str, object]:
         "peak_bytes": _COUNTS,
         "alloc_retries": _COUNTS,
         "job": _NAMES,
+        "step": _COUNTS,
+        "phase": st.sampled_from(["eval", "optimizer", "other", "train", "", 1, None, ["eval"]]),
     }
     # a sample as an agent writes it, with one to three fields drawn from the odd values
     # above or left out: near misses, which is where a fast path goes wrong
     obj = {"ts": 1.7e9, "node": "n1", "device": "gpu0", "kind": "gpu", "total_bytes": 100}
     obj |= {"used_bytes": 50, "allocated_bytes": 40, "reserved_bytes": 45, "peak_bytes": 60}
-    obj |= {"alloc_retries": 0, "job": "j"}
+    obj |= {"alloc_retries": 0, "job": "j", "step": 7, "phase": "forward"}
     for key in draw(st.lists(st.sampled_from(sorted(fields)), min_size=1, max_size=3)):
         if draw(st.integers(0, 5)) == 0:
             obj.pop(key, None)
@@ -447,3 +453,58 @@ def test_the_fast_path_takes_what_agents_write() -> None:
     obj = {"ts": 1.7e9, "node": "n1", "device": "gpu0", "kind": "gpu", "total_bytes": 80}
     obj |= {"used_bytes": 40, "allocated_bytes": 30, "peak_bytes": 41, "job": "j"}
     assert _fast_sample(obj) == _checked_sample(obj)
+    hooked = obj | {"step": 12, "phase": "eval"}
+    assert _fast_sample(hooked) == _checked_sample(hooked) != _checked_sample(obj)
+
+
+# --- step and phase: optional fields of the in-process hook --------------------------------
+
+
+def _hooked(**extra: object) -> dict[str, object]:
+    obj: dict[str, object] = {"ts": T0, "node": "n", "device": "cuda0", "kind": "gpu"}
+    return obj | {"total_bytes": 100, "used_bytes": 50} | extra
+
+
+def test_step_and_phase_are_read_and_written_back() -> None:
+    sample = parse_sample(_hooked(step=40, phase="eval"))
+    assert (sample.step, sample.phase) == (40, "eval")
+    assert sample.to_dict()["step"] == 40 and sample.to_dict()["phase"] == "eval"
+    plain = parse_sample(_hooked())
+    assert (plain.step, plain.phase) == (None, None)
+    assert "step" not in plain.to_dict() and "phase" not in plain.to_dict()
+    assert parse_sample(_hooked(step=3.0)).step == 3  # a whole float, as other JSON writers do
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"step": -1}, "step"),
+        ({"step": 1.5}, "step"),
+        ({"step": "7"}, "step"),
+        ({"step": True}, "step"),
+        ({"phase": "training"}, "phase"),
+        ({"phase": ""}, "phase"),
+        ({"phase": 3}, "phase"),
+        ({"phase": ["eval"]}, "phase"),
+    ],
+)
+def test_a_bad_step_or_phase_is_refused_naming_the_field(
+    extra: dict[str, object], field: str
+) -> None:
+    with pytest.raises(SchemaError) as err:
+        parse_sample(_hooked(**extra))
+    assert err.value.field == field
+
+
+def test_a_schedule_event_is_parsed_beside_the_other_events() -> None:
+    from oomcast.model.events import ScheduleEvent
+
+    obj = {"ts": T0, "node": "n", "device": "cuda0", "event": "schedule", "job": "j"}
+    obj |= {"eval_every_steps": 100, "step_s": 0.5, "phase_extra_bytes": {"eval": 9}}
+    record = parse_record(obj)
+    assert isinstance(record, ScheduleEvent)
+    assert (record.eval_every_steps, record.checkpoint_every_steps) == (100, None)
+    assert record.step_s == 0.5 and dict(record.phase_extra_bytes) == {"eval": 9}
+    assert record.to_dict() == obj
+    other = parse_record({"ts": T0, "node": "n", "device": "d", "event": "oom"})
+    assert type(other) is Event

@@ -408,3 +408,28 @@ def test_downsample_refuses_a_bad_interval(interval: float) -> None:
         downsample(ramp_10hz(seconds=1), interval)
     with pytest.raises(ValueError, match="interval_s="):
         downsample_trace(Trace(path="empty.jsonl"), interval)
+
+
+@pytest.mark.parametrize("name", ["p.jsonl", "p.jsonl.gz"])
+def test_step_phase_and_schedule_events_survive_a_round_trip(tmp_path: Path, name: str) -> None:
+    from oomcast.model.events import ScheduleEvent
+
+    schedule = ScheduleEvent(
+        T0, "n1", "gpu0", "schedule", "j", eval_every_steps=100, phase_extra_bytes={"eval": 5}
+    )
+    recs: list[Record] = [
+        schedule,
+        support.sample(T0 + 1, 0.5, job="j", step=40),
+        support.sample(T0 + 2, 0.5, job="j", step=41, phase="eval", peak_bytes=60 * GIB),
+    ]
+    path = tmp_path / name
+    write_trace(path, recs)
+    back = list(iter_trace(path))
+    assert back == recs and isinstance(back[0], ScheduleEvent)
+
+
+def test_nvml_view_drops_the_hooks_step_and_phase() -> None:
+    from oomcast.model.trace import nvml_view
+
+    seen = nvml_view(support.sample(1.0, 0.5, step=3, phase="eval"))
+    assert (seen.step, seen.phase) == (None, None)

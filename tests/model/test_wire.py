@@ -345,3 +345,48 @@ def test_a_sample_stream_names_its_partition_and_nothing_else_does() -> None:
     assert [keys.partition_of_stream(keys.samples(p)) for p in range(4)] == [0, 1, 2, 3]
     for other in ("t:samples:{4}", "t:samples:{x}", "t:samples:{1", "u:samples:{1}", keys.events):
         assert keys.partition_of_stream(other) is None
+
+
+# --- step, phase and the schedule event -------------------------------------------------------
+
+
+def test_step_and_phase_travel_in_a_sample_entry() -> None:
+    sample = smp(step=40, phase="eval")
+    got = decode_samples(encode_samples("n1", [sample_payload(sample, None, None)]))
+    assert isinstance(got[0], DecodedSample) and got[0].sample == sample
+    assert (got[0].sample.step, got[0].sample.phase) == (40, "eval")
+
+
+def test_a_bad_phase_in_an_entry_costs_only_its_sample_and_names_the_field() -> None:
+    got = decode_samples(entry([raw(phase="training"), raw(ts=T0 + 1, step=2)]))
+    assert isinstance(got[0], SchemaError) and got[0].field == "samples[0].phase"
+    assert isinstance(got[1], DecodedSample) and got[1].sample.step == 2
+
+
+def test_a_schedule_event_travels_with_its_fields() -> None:
+    from oomcast.model.events import ScheduleEvent
+
+    ev = ScheduleEvent(
+        T0,
+        "n1",
+        "cuda0",
+        "schedule",
+        "j",
+        eval_every_steps=500,
+        checkpoint_every_steps=1000,
+        step_s=0.8,
+        phase_extra_bytes={"eval": 3 * GIB, "checkpoint": GIB},
+        measured=("eval",),
+    )
+    back = decode_event(encode_event(ev))
+    assert back == ev and isinstance(back, ScheduleEvent)
+    # the hook queues it as a DetailedEvent: the same bytes on the wire
+    assert encode_event(ev.to_detailed()) == encode_event(ev)
+
+
+def test_a_bad_schedule_event_names_the_field() -> None:
+    fields = {"v": "1", "event": json.dumps({"ts": T0, "node": "n1", "device": "d"} | {
+        "event": "schedule", "eval_every_steps": 0, "phase_extra_bytes": {}})}  # fmt: skip
+    with pytest.raises(SchemaError) as err:
+        decode_event(fields)
+    assert err.value.field == "eval_every_steps"

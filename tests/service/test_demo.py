@@ -298,3 +298,22 @@ def test_demo_agents_hold_their_own_node_keys_never_the_master(
         assert "OOMCAST_CONTROL_SECRET" not in env
         assert env["OOMCAST_KEY_PREFIX"] == demo.PREFIX
     assert len({env["OOMCAST_NODE_KEY"] for env in envs.values()}) == len(demo.NODES)
+
+
+def test_the_demos_alert_lines_say_the_cause_and_the_first_remedy() -> None:
+    from oomcast.service.demo_view import _alert_line
+
+    alert = {
+        "status": "firing",
+        "node": "demo-node-b",
+        "device": "gpu1",
+        "job": "j",
+        "time_to_oom_s": 44.0,
+        "reason": "risk 0.9",
+        "sent_at": 0.0,
+        "cause": "fragmentation",
+        "remedies": ["set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the job"],
+    }
+    line = _alert_line(alert, True)
+    assert "cause: fragmentation; fix: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments" in line
+    assert "cause" not in _alert_line({**alert, "status": "resolved"}, True)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from support import GIB, T0
+from pydantic import ValidationError
+from support import GIB, T0, oomcast_cmd
 
+from oomcast.model import runtime
 from oomcast.model.network import NetConfig, OOMForecastNet
 from oomcast.service.main import create_app
 from oomcast.service.settings import Settings
@@ -59,12 +63,39 @@ def test_the_model_serves_with_its_own_rule(
         assert 'kind="model"' in metrics and 'provider="CPUExecutionProvider"' in metrics
 
 
-def test_a_missing_model_falls_back_to_a_baseline_loudly(
-    redis_url: str, key_prefix: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_a_named_model_that_is_missing_stops_the_service(
+    redis_url: str, key_prefix: str, tmp_path: Path
 ) -> None:
-    s = Settings(
-        redis_url=redis_url, key_prefix=key_prefix, model_path=str(tmp_path / "nowhere.onnx")
+    """A typo in OOMCAST_MODEL_PATH used to start a baseline while /readyz said ready."""
+    with pytest.raises(ValidationError, match=r"OOMCAST_MODEL_PATH=.*nowhere.onnx: no such file"):
+        Settings(
+            redis_url=redis_url, key_prefix=key_prefix, model_path=str(tmp_path / "nowhere.onnx")
+        )
+    env = {**os.environ, "OOMCAST_REDIS_URL": redis_url, "OOMCAST_KEY_PREFIX": key_prefix}
+    env["OOMCAST_MODEL_PATH"] = str(tmp_path / "nowhere.onnx")
+    out = subprocess.run(
+        oomcast_cmd("serve", "--port", "1"), env=env, capture_output=True, text=True, timeout=60
     )
+    assert out.returncode == 2, out.stderr
+    assert "OOMCAST_MODEL_PATH=" in out.stderr and "no such file" in out.stderr
+    (tmp_path / "bad.onnx").write_bytes(b"not a model")
+    env["OOMCAST_MODEL_PATH"] = str(tmp_path / "bad.onnx")
+    out = subprocess.run(
+        oomcast_cmd("serve", "--port", "1"), env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2, out.stderr
+    assert "cannot load" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_shipped_model_missing_falls_back_to_a_baseline_loudly(
+    redis_url: str,
+    key_prefix: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(runtime, "DEFAULT_MODEL", tmp_path / "nowhere.onnx")
+    s = Settings(redis_url=redis_url, key_prefix=key_prefix)
     with TestClient(create_app(s)) as c:
         ready = c.get("/readyz").json()
         assert ready["forecaster"]["kind"] == "fallback"

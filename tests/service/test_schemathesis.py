@@ -77,6 +77,10 @@ def keep_cross_field_rules(body: dict[str, Any], *, one_domain: bool) -> None:
         for key in BYTE_FIELDS:
             if isinstance(s.get(key), int | float) and s[key] > bound:
                 s[key] = bound
+        for proc in s.get("processes") or []:  # each process's used_bytes has the same bound
+            used = proc.get("used_bytes") if isinstance(proc, dict) else None
+            if isinstance(used, int | float) and used > bound:
+                proc["used_bytes"] = bound
         if one_domain:
             s["node"], s["device"] = items[0]["node"], items[0]["device"]
     by_domain: dict[tuple[str, str], list[dict[str, Any]]] = {}

@@ -933,3 +933,29 @@ def test_long_random_runs(config: dict) -> None:
         sim.empty_cache()
         sim.check_invariants()
         assert sim.stats().reserved_bytes == 0
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_memory_snapshot_matches_the_stats(expandable: bool) -> None:
+    """``memory_snapshot`` (torch's snapshot format) adds up to the allocator's own stats
+    after a random mix of requests and frees, with each live block's stack."""
+    rng = random.Random(7)
+    sim = CachingAllocatorSim(512 * MIB, expandable_segments=expandable)
+    live: list[int] = []
+    for _ in range(400):
+        if live and rng.random() < 0.45:
+            sim.free(live.pop(rng.randrange(len(live))))
+        else:
+            try:
+                live.append(sim.malloc(rng.choice([300, 64 * 1024, 900 * 1024, 3 * MIB, 12 * MIB])))
+            except SimOutOfMemory:
+                sim.empty_cache()
+    snap = sim.memory_snapshot(lambda h: [{"filename": "t.py", "line": h, "name": "f"}])
+    blocks = [b for seg in snap["segments"] for b in seg["blocks"]]
+    stats = sim.stats()
+    assert sum(seg["total_size"] for seg in snap["segments"]) == stats.reserved_bytes
+    active = [b for b in blocks if b["state"] == "active_allocated"]
+    assert sum(b["size"] for b in active) == stats.allocated_bytes
+    assert len(active) == len(live)
+    assert {b["frames"][0]["line"] for b in active} == set(live)
+    assert len(snap["segments"]) == stats.segments

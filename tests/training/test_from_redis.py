@@ -43,8 +43,11 @@ def test_dump_keeps_one_node_dedups_and_labels(
     assert trace.oom_ts(("n1", "gpu0")) == 4.5 and trace.oom_ts(("n1", "cgroup:/a")) is None
     only = dump_trace(rclient, keys, "n1", tmp_path / "a.jsonl", devices={"cgroup:/a"})
     assert only.domains == ["cgroup:/a"] and only.ooms == 0
-    with pytest.raises(ValueError, match="no samples of node 'nobody'"):
+    with pytest.raises(ValueError, match="no samples of node 'nobody'") as err:
         dump_trace(rclient, keys, "nobody", tmp_path / "x.jsonl")
+    # the docs' `--node n1` found nothing where agents name nodes by hostname: say which exist
+    assert "nodes with recent samples: n1, other" in str(err.value)
+    assert "hostname" in str(err.value)
 
 
 def test_dump_time_range_and_cli(

@@ -13,9 +13,12 @@ from oomcast.training.simulate import SPLITS, simulate, split_of
 
 
 @pytest.mark.slow
-def test_simulate_writes_split_labelled_traces(tmp_path: Path) -> None:
+def test_simulate_writes_split_labelled_traces(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cache = tmp_path / "cache"
-    manifest = simulate(tmp_path / "a", n=12, seed=5, workers=2, cache_dir=cache)
+    manifest = simulate(tmp_path / "a", n=12, seed=5, workers=2, cache_dir=cache, progress=True)
+    assert "simulate" in (err := capsys.readouterr().err) and "12/12" in err  # a progress bar
     entries = manifest["traces"]
     assert len(entries) == 12 == sum(manifest["splits"].values())
     assert {e["family"] for e in entries} >= {"leak", "steady"}
@@ -27,11 +30,13 @@ def test_simulate_writes_split_labelled_traces(tmp_path: Path) -> None:
         trace = load_trace(tmp_path / "a" / e["file"])
         assert trace.ooms == e["ooms"]
         if e["ooms"]:
-            assert trace.events[0].ts == e["oom_ts"]
+            # the first OOM event (a job with a schedule announces it before: a schedule event)
+            assert next(ev.ts for ev in trace.events if ev.event == "oom") == e["oom_ts"]
     assert len(find_traces(tmp_path / "a")) == 12
     on_disk = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert on_disk["traces"] == entries
     again = simulate(tmp_path / "b", n=12, seed=5, workers=1, cache_dir=cache)
+    assert "12/12" not in capsys.readouterr().err  # not asked for: no bar
     assert again["traces"] == entries  # deterministic for a seed, whatever the workers
     for e in entries:  # byte for byte
         assert (tmp_path / "a" / e["file"]).read_bytes() == (

@@ -31,6 +31,17 @@ class AlertState(BaseModel):
     rules: dict[str, RuleState] = Field(..., description="per rule name")
 
 
+class PhaseOutlook(BaseModel):
+    """The earliest scheduled phase that will not fit (docs/phases.md)."""
+
+    phase: Literal["eval", "checkpoint", "optimizer"]
+    in_s: float = Field(..., description="seconds until it runs, at the job's step rate")
+    steps_away: int
+    extra_bytes: int = Field(..., description="what the phase needs above the current use")
+    headroom_bytes: int = Field(..., description="total less use, less the 2% margin")
+    measured: bool = Field(..., description="extra_bytes was measured, not announced")
+
+
 class DeviceSummary(BaseModel):
     node: str
     device: str
@@ -44,6 +55,17 @@ class DeviceSummary(BaseModel):
     alert_risk: float = Field(..., description="risk at alert_horizon_s: the sort key")
     time_to_oom_s: float | None
     model_version: str
+    allocated_bytes: int | None = Field(..., description="live tensor bytes (from the hook)")
+    reserved_bytes: int | None = Field(..., description="caching-allocator reserved (hook)")
+    cause: str = Field(
+        ...,
+        description="why an OOM would come (docs/diagnosis.md): leak, growing_cache,"
+        " fragmentation, batch_growth, phase:eval (and other phases), neighbour or unknown",
+    )
+    remedies: list[str] = Field(..., description="what would fix it, as actions")
+    evidence: str | None = Field(..., description="what the cause was read from")
+    cause_thin: list[str] = Field(..., description="evidence that was missing")
+    phase: PhaseOutlook | None = Field(..., description="a scheduled phase that will not fit")
     alert: AlertState
     samples_seen: int
     ooms_seen: int

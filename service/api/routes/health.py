@@ -73,6 +73,20 @@ READINESS_CHECKS: list[Callable[[ServiceContext], Awaitable[list[Check]]]] = [
 ]
 
 
+RISK_BANDS = ("low", "elevated", "high", "critical")
+
+
+def risk_band(risk: float) -> str:
+    """The band of oomcast_domains_by_risk a risk at the alert horizon falls in."""
+    return (
+        "critical"
+        if risk >= 0.8
+        else "high"
+        if risk >= 0.5
+        else ("elevated" if risk >= 0.2 else "low")
+    )
+
+
 @router.get("/livez")
 def livez() -> dict[str, str]:
     """The process answers; says nothing of its dependencies."""
@@ -123,5 +137,14 @@ async def readyz(ctx: Ctx, response: Response) -> dict[str, object]:
 )
 async def metrics(ctx: Ctx) -> Response:
     """The service's Prometheus metrics."""
-    ctx.metrics.domains.set(len(ctx.live.live(time.time(), ctx.settings.live_after_s)))
+    live = ctx.live.live(time.time(), ctx.settings.live_after_s)
+    ctx.metrics.domains.set(len(live))
+    bands = dict.fromkeys(RISK_BANDS, 0)
+    firing = 0
+    for st in live:
+        bands[risk_band(st.forecast.risk_at(ctx.live.horizon_s) if st.forecast else 0.0)] += 1
+        firing += any(ep.firing for ep in st.episodes.values())
+    for band, n in bands.items():
+        ctx.metrics.domains_by_risk.labels(band=band).set(n)
+    ctx.metrics.alerts_firing.set(firing)
     return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)

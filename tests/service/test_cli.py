@@ -1,0 +1,118 @@
+"""The ``oomcast`` command's traps, each found by a new user: no --version, --help without
+descriptions or defaults, a traceback where an extra is missing (the collector image could
+not even start, lacking pydantic)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from importlib.metadata import version
+
+import pytest
+from support import oomcast_cmd
+
+from oomcast.service.cli import build_parser
+from oomcast.service.cli_common import EXTRAS
+
+# Run the CLI in a fresh interpreter where the named top-level modules cannot be imported,
+# as on an image installed without their extra.
+BLOCKED_RUN = """
+import importlib.abc, sys
+blocked = set(sys.argv[1].split(","))
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.partition(".")[0] in blocked:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, Block())
+from oomcast.service.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def run_without(blocked: set[str], *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", BLOCKED_RUN, ",".join(sorted(blocked)), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_version() -> None:
+    out = subprocess.run(oomcast_cmd("--version"), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert out.stdout.strip() == f"oomcast {version('oomcast')}"
+
+
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_every_command_has_a_description_and_shows_its_defaults() -> None:
+    commands = _commands(build_parser())
+    assert {"serve", "collect", "check", "export", "simulate", "bench"} <= set(commands)
+    for name, parser in commands.items():
+        assert parser.description, f"oomcast {name} --help has no description"
+        text = parser.format_help()
+        for action in parser._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            flag = action.option_strings[0]
+            assert action.help, f"oomcast {name} {flag} has no help"
+            said = "default" in action.help.lower()  # the author wrote it out
+            if action.default not in (None, False, [], "", argparse.SUPPRESS) and not said:
+                shown = str(action.default)
+                # argparse may wrap a long default: compare without whitespace
+                assert shown.replace(" ", "") in "".join(text.split()), (
+                    f"oomcast {name} --help does not show {flag}'s default {shown!r}"
+                )
+
+
+@pytest.mark.parametrize(
+    ("argv", "module", "extra"),
+    [
+        (("simulate", "--out", "x"), "torch", "train"),
+        (("train", "--data", ""), "torch", "train"),
+        (("serve",), "uvicorn", "service"),
+    ],
+)
+def test_a_missing_extra_is_named_not_a_traceback(
+    argv: tuple[str, ...], module: str, extra: str
+) -> None:
+    blocked = {m for m, e in EXTRAS.items() if e in ("train", "service")}
+    out = run_without(blocked, *argv)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert f"needs {module}" in out.stderr and f"pip install 'oomcast[{extra}]'" in out.stderr
+
+
+def test_the_collector_image_runs_the_agent_command() -> None:
+    """The collector image installs only the core and the collector extra: every other
+    extra's modules blocked, `oomcast collect --help` must still work."""
+    blocked = {m for m, e in EXTRAS.items() if e != "collector"}
+    out = run_without(blocked, "collect", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "Sample memory domains" in out.stdout
+
+
+def test_a_bad_setting_names_its_variable_and_value() -> None:
+    """pydantic's own message ("Input should be a valid integer") said neither which
+    variable nor what it held."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OOMCAST_")}
+    env["OOMCAST_ALERT_HORIZON_S"] = "60s"
+    out = subprocess.run(
+        oomcast_cmd("serve", "--port", "1"), env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2
+    assert "OOMCAST_ALERT_HORIZON_S='60s': Input should be a valid integer" in out.stderr
+    env["OOMCAST_ALERT_HORIZON_S"] = "60"
+    env["OOMCAST_WEBHOOK_SECRET"] = ""  # secrets and URLs are never echoed
+    env["OOMCAST_REDIS_URL"] = "http://user:hunter2@redis:6379"
+    out = subprocess.run(
+        oomcast_cmd("serve", "--port", "1"), env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2 and "hunter2" not in out.stderr

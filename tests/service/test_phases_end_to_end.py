@@ -1,0 +1,187 @@
+"""Phase-aware forecasts through the whole service: samples with step and phase and a
+``schedule`` event in the real Redis, read by the real ingest loop of the service (its app,
+in this process), forecast by the shipped LSTM with its default rules, and the alert at a
+real webhook receiver. The memory stream is flat at 60%: only the schedule can warn."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from support import GIB, T0, wait_until
+
+from oomcast.model.events import ScheduleEvent
+from oomcast.model.phase import MARGIN_FRAC
+from oomcast.model.wire import Keys, encode_event, encode_samples
+from oomcast.service.main import create_app
+from oomcast.service.settings import Settings
+
+TOTAL = 80 * GIB
+USED = 48 * GIB  # 60%, flat
+HEADROOM = TOTAL - int(MARGIN_FRAC * TOTAL) - USED
+EVAL_EVERY = 100
+STEPS = 41  # steps 0..40 at 1 step/s, stamped T0 + step
+
+
+def hooked(node: str, step: int) -> dict[str, Any]:
+    return {
+        "ts": T0 + step,
+        "node": node,
+        "device": "cuda0",
+        "kind": "gpu",
+        "total_bytes": TOTAL,
+        "used_bytes": USED,
+        "peak_bytes": USED,
+        "job": f"train-{node}",
+        "step": step,
+        "phase": "forward",
+    }
+
+
+def schedule(node: str, eval_extra: int) -> dict[str, str]:
+    event = ScheduleEvent(
+        T0, node, "cuda0", "schedule", f"train-{node}",
+        eval_every_steps=EVAL_EVERY, checkpoint_every_steps=1000,
+        phase_extra_bytes={"eval": eval_extra, "checkpoint": GIB},
+    )  # fmt: skip
+    return encode_event(event)
+
+
+def events_read(c: TestClient, name: str) -> float:
+    m = re.search(r'oomcast_events_total\{event="' + name + r'"\} (\S+)', c.get("/metrics").text)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_an_eval_that_will_not_fit_is_alerted_with_its_cause_and_one_that_fits_is_not(
+    redis_url: str, key_prefix: str, rclient: redis.Redis, webhook_receiver: Any
+) -> None:
+    keys = Keys(key_prefix, 2)
+    settings = Settings(
+        redis_url=redis_url,
+        key_prefix=key_prefix,
+        partitions=2,
+        consumer_name="phases-e2e",
+        forecaster="model",  # the shipped LSTM and its validated rule
+        webhook_url=webhook_receiver.url,
+        webhook_secret="phases-e2e-secret",
+        max_ts_skew_s=0,  # stamped around support.T0 (2025)
+    )
+    with TestClient(create_app(settings)) as c:
+        # a new replica reads the events stream from its end: send once it is up
+        assert wait_until(lambda: c.get("/readyz").status_code == 200)
+        assert c.get("/v1/rules").status_code == 200
+        rclient.xadd(keys.events, schedule("n-oom", HEADROOM + 4 * GIB))  # type: ignore[arg-type]
+        rclient.xadd(keys.events, schedule("n-fits", HEADROOM - 4 * GIB))  # type: ignore[arg-type]
+        assert wait_until(lambda: events_read(c, "schedule") == 2)
+        for node in ("n-oom", "n-fits"):
+            payloads = [hooked(node, i) for i in range(STEPS)]
+            rclient.xadd(keys.samples_for(node), encode_samples(node, payloads))  # type: ignore[arg-type]
+
+        def seen(node: str) -> int:
+            r = c.get(f"/v1/devices/{node}/cuda0", params={"history": 0})
+            return int(r.json()["samples_seen"]) if r.status_code == 200 else 0
+
+        assert wait_until(lambda: seen("n-oom") == STEPS and seen("n-fits") == STEPS)
+        firing = webhook_receiver.wait_for(lambda r: r["json"]["status"] == "firing")
+        assert firing, c.get("/v1/alerts").text
+        assert {r["json"]["node"] for r in firing} == {"n-oom"}  # the eval that fits: nothing
+        alert = firing[0]["json"]
+        assert alert["cause"] == "phase:eval" and alert["rule_name"] == "oom-forecast"
+        assert alert["model_version"].startswith("lstm")
+        # the eval runs at step 100, stamped T0 + 100: the forecast says when, from its sample
+        # (from the first sample with a step rate to time it by: step 2, 98 s ahead)
+        until_eval = T0 + EVAL_EVERY - alert["observed_at"]
+        assert alert["observed_at"] == T0 + 2
+        assert alert["time_to_oom_s"] >= 30
+        assert abs(alert["time_to_oom_s"] - until_eval) <= 0.05 * until_eval
+        devices = {d["node"]: d for d in c.get("/v1/devices").json()["devices"]}
+        oom, fits = devices["n-oom"], devices["n-fits"]
+        assert oom["cause"] == "phase:eval" and oom["alert"]["firing"]
+        assert oom["time_to_oom_s"] == EVAL_EVERY - (STEPS - 1)
+        assert oom["phase"] == {
+            "phase": "eval",
+            "in_s": 60.0,
+            "steps_away": 60,
+            "extra_bytes": HEADROOM + 4 * GIB,
+            "headroom_bytes": HEADROOM,
+            "measured": False,
+        }
+        assert fits["cause"] == "unknown" and fits["phase"] is None and not fits["alert"]["firing"]
+        assert fits["alert_risk"] < 0.5
+        audit = c.get("/v1/alerts").json()["alerts"]
+        alerts = [a for a in audit if a.get("rule_name") == "oom-forecast"]
+        assert [(a["status"], a["cause"]) for a in alerts] == [("firing", "phase:eval")]
+        json.dumps(audit)  # what the API returned is plain JSON
+
+
+def test_the_in_job_hooks_schedule_reaches_the_service_and_warns(
+    redis_url: str,
+    key_prefix: str,
+    webhook_receiver: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The real MemoryHook (host mode: this process's own memory) announces an eval every
+    100 steps at 1 s per step that needs more than the whole machine: the service warns
+    about 99 s ahead, with the cause; a second job whose eval fits is left alone."""
+    from oomcast.collectors.hook import MemoryHook
+
+    monkeypatch.delenv("OOMCAST_HOOK", raising=False)
+    settings = Settings(
+        redis_url=redis_url,
+        key_prefix=key_prefix,
+        partitions=2,
+        consumer_name="phases-hook-e2e",
+        webhook_url=webhook_receiver.url,
+        webhook_secret="phases-e2e-secret",
+    )
+    with TestClient(create_app(settings)) as c:
+        assert wait_until(lambda: c.get("/readyz").status_code == 200)
+        hooks = {
+            node: MemoryHook(
+                f"train-{node}",
+                redis_url=redis_url,
+                key_prefix=key_prefix,
+                node=node,
+                partitions=2,
+                mode="host",
+                checkpoint_signal=None,
+                publish_interval_s=0.02,
+            )
+            for node in ("n-hook-oom", "n-hook-fits")
+        }
+        try:
+            for node, hook in hooks.items():
+                extra = 1 << 20 if node == "n-hook-fits" else 1 << 50  # 1 MiB; 1 PiB
+                hook.set_schedule(
+                    eval_every_steps=100, step_s=1.0, phase_extra_bytes={"eval": extra}
+                )
+            assert wait_until(lambda: events_read(c, "schedule") == 2)
+            for hook in hooks.values():
+                hook.step(1)  # a sample after the schedule: 99 steps, 99 s before the eval
+                assert hook.flush(5.0)
+            firing = webhook_receiver.wait_for(lambda r: r["json"]["status"] == "firing")
+        finally:
+            for hook in hooks.values():
+                hook.close(timeout_s=1.0)
+
+        def seen(node: str) -> int:
+            devices = c.get("/v1/devices", params={"node": node}).json()["devices"]
+            return int(devices[0]["samples_seen"]) if devices else 0
+
+        # the schedule's sample and the step's, of each job
+        assert wait_until(lambda: seen("n-hook-oom") == 2 and seen("n-hook-fits") == 2)
+        assert [r["json"]["node"] for r in firing] == ["n-hook-oom"]
+        alert = firing[0]["json"]
+        assert alert["cause"] == "phase:eval" and alert["device"] == f"proc:{os.getpid()}"
+        # 100 s when the service read the schedule before the step-0 sample set_schedule
+        # takes (the events and the samples are separate streams, read in either order),
+        # 99 s when it forecast from the step-1 sample first
+        assert 90 <= alert["time_to_oom_s"] <= 100
+        devices = {d["node"]: d for d in c.get("/v1/devices").json()["devices"]}
+        assert not devices["n-hook-fits"]["cause"].startswith("phase:")
+        assert not devices["n-hook-fits"]["alert"]["firing"]

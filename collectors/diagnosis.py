@@ -56,6 +56,9 @@ class Diagnosis:
     fits_largest_free: bool | None
     alloc_retries: int | None
     top_sites: list[Site] = field(default_factory=list)
+    # the sites that grew most since the hook's baseline (a leak's suspects), with its age
+    growing: list[dict[str, Any]] = field(default_factory=list)
+    growing_since_s: float | None = None
     remedies: list[str] = field(default_factory=list)
     thin: list[str] = field(default_factory=list)  # evidence that is missing
     context: dict[str, Any] = field(default_factory=dict)  # node, device, job, alert (bundle)
@@ -112,6 +115,28 @@ def _site(frames: list[Mapping[str, Any]]) -> str:
     return f"{f.get('filename', '?')}:{f.get('line', '?')} in {f.get('name', '?')}"
 
 
+def site_bytes(snap: Mapping[str, Any]) -> dict[str, int]:
+    """Live bytes per allocation site (the first frame of the job's own code) in a snapshot:
+    what the hook keeps as a baseline, to say later which sites grew."""
+    out: dict[str, int] = {}
+    for seg in snap.get("segments", []):
+        for b in seg.get("blocks", []):
+            if b.get("state") == "active_allocated":
+                where = _site(b.get("frames") or [])
+                out[where] = out.get(where, 0) + int(b.get("size", 0))
+    return out
+
+
+def growing_sites(
+    before: Mapping[str, int], now: Mapping[str, int], top: int = TOP_SITES
+) -> list[dict[str, Any]]:
+    """The sites whose live bytes grew most between two summaries, largest growth first."""
+    grew = [(where, n, n - before.get(where, 0)) for where, n in now.items()]
+    grew = [g for g in grew if g[2] > 0]
+    grew.sort(key=lambda g: -g[2])
+    return [{"where": w, "bytes": n, "grew_bytes": g} for w, n, g in grew[:top]]
+
+
 def _last_oom(snap: Mapping[str, Any]) -> int | None:
     for trace in reversed(snap.get("device_traces") or []):
         for entry in reversed(trace or []):
@@ -164,6 +189,8 @@ def analyse(
         fits_largest_free=(int(request) <= largest) if request and segments else None,
         alloc_retries=int(retries) if retries is not None else None,
         top_sites=sorted(sites.values(), key=lambda s: -s.bytes)[:TOP_SITES],
+        growing=list((bundle or {}).get("growing_sites") or []),
+        growing_since_s=(bundle or {}).get("growing_since_s"),
         context={
             k: bundle[k] for k in ("node", "device", "job", "alert") if bundle and k in bundle
         },
@@ -193,6 +220,12 @@ def _remedies(d: Diagnosis, have_layout: bool) -> tuple[list[str], list[str]]:
             f"fragmentation: {why}. Set {EXPANDABLE} (segments grow in place instead of"
             " splitting), or call torch.cuda.empty_cache() at phase boundaries (after eval,"
             " before a checkpoint)"
+        )
+    if d.growing:
+        top = ", ".join(f"{g['where']} (+{_b(int(g['grew_bytes']))})" for g in d.growing[:3])
+        out.append(
+            f"leak suspects, the sites that grew most: {top}; look there for tensors kept"
+            " across steps (a loss summed without .item(), outputs appended to a list)"
         )
     if d.alloc_retries:
         out.append(
@@ -244,6 +277,13 @@ def explain_text(d: Diagnosis) -> str:
             else ""
         ),
     ]
+    if d.growing:
+        since = f" over the last {d.growing_since_s:.0f} s" if d.growing_since_s else ""
+        lines.append(f"allocation sites that grew most{since} (a leak's suspects):")
+        lines += [
+            f"  +{_b(int(g['grew_bytes'])):>10}  now {_b(int(g['bytes'])):>11}  {g['where']}"
+            for g in d.growing
+        ]
     if d.top_sites:
         lines.append("top live allocations by site:")
         lines += [f"  {_b(s.bytes):>11}  {s.blocks:5} blocks  {s.where}" for s in d.top_sites]
@@ -267,6 +307,8 @@ def write_bundle(
     processes: Sequence[Mapping[str, Any]],
     snapshot: Mapping[str, Any] | None,
     failing_request_bytes: int | None = None,
+    growing: Sequence[Mapping[str, Any]] = (),
+    growing_since_s: float | None = None,
 ) -> Path:
     """Write one bundle into ``folder`` (created if needed); its path names the domain and
     the time, so two alerts never overwrite each other."""
@@ -283,6 +325,8 @@ def write_bundle(
         "processes": [dict(p) for p in processes],
         "snapshot": dict(snapshot) if snapshot is not None else None,
         "failing_request_bytes": failing_request_bytes,
+        "growing_sites": [dict(g) for g in growing],
+        "growing_since_s": growing_since_s,
     }
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)

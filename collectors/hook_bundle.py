@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from oomcast.collectors.diagnosis import write_bundle
+from oomcast.collectors.diagnosis import growing_sites, site_bytes, write_bundle
 from oomcast.collectors.hook_jobctl import CheckpointRequest, CheckpointRequests
 from oomcast.collectors.hook_phases import PhaseHook
 from oomcast.collectors.hook_settings import HookSettings
@@ -31,6 +32,9 @@ from oomcast.model.schema import Sample
 log = logging.getLogger(__name__)
 
 BUNDLE_SAMPLES = 600  # the samples a bundle keeps: minutes of history at the usual rates
+# On CUDA the hook keeps each allocation site's live bytes, refreshed this often (from a
+# thread of its own), so that a bundle can say which sites grew: a leak's suspects.
+BASELINE_EVERY_S = 300.0
 DIAGNOSIS_SAVED = "diagnosis_saved"
 
 
@@ -50,10 +54,26 @@ class BundleHook(PhaseHook):
         self._bundle_lock = threading.Lock()  # one bundle at a time
         self.bundles: list[Path] = []  # written so far, oldest first
         self._requests.callbacks.append(self._bundle_for_request)
+        self._baseline: tuple[float, dict[str, int]] | None = None  # (when, site -> bytes)
+        self._baseline_due = 0.0  # monotonic time of the next refresh
 
     def _noted(self, sample: Sample) -> None:
         self._recent.append(sample)
         super()._noted(sample)
+        now = time.monotonic()
+        if now >= self._baseline_due and self.settings.bundle_dir is not None:
+            self._baseline_due = now + BASELINE_EVERY_S
+            if getattr(self._reader, "torch", None) is not None:  # CUDA only: a snapshot
+                threading.Thread(
+                    target=self._refresh_baseline, name="oomcast-baseline", daemon=True
+                ).start()
+
+    def _refresh_baseline(self) -> None:
+        try:
+            torch, i = self._reader.torch, self._reader.index
+            self._baseline = (time.time(), site_bytes(torch.cuda.memory._snapshot(i)))
+        except Exception:  # a baseline is a nicety: never a reason to fail
+            log.debug("oomcast hook: no allocation-site baseline", exc_info=True)
 
     def _bundle_for_request(self, req: CheckpointRequest) -> None:
         self.bundle_soon(f"checkpoint requested: {req.reason or req.source}", req.id)
@@ -83,6 +103,11 @@ class BundleHook(PhaseHook):
         with self._bundle_lock:
             samples = list(self._recent)
             allocator, snapshot, processes = self._allocator_state(samples)
+            growing: list[dict[str, Any]] = []
+            since: float | None = None
+            if snapshot is not None and self._baseline is not None:
+                at, before = self._baseline
+                growing, since = growing_sites(before, site_bytes(snapshot)), time.time() - at
             path = write_bundle(
                 folder,
                 node=self.node,
@@ -93,6 +118,8 @@ class BundleHook(PhaseHook):
                 allocator=allocator,
                 processes=processes,
                 snapshot=snapshot,
+                growing=growing,
+                growing_since_s=since,
             )
             self.bundles.append(path)
         extra = {"path": str(path), "request_id": request_id, "reason": why}

@@ -106,7 +106,8 @@ REMEDIES: dict[str, tuple[str, ...]] = {
     "leak": (
         "look for tensors kept across steps: a loss summed without .item() or .detach(),"
         " outputs appended to a list, a growing cache dict",
-        "the diagnosis bundle (oomcast explain) lists the top live allocations by site",
+        "the diagnosis bundle the hook saved (oomcast explain) lists the allocation sites"
+        " that grew most since its last baseline, and the largest live ones",
     ),
     "growing_cache": (
         "the cached memory is reusable: torch.cuda.empty_cache() at phase boundaries, or cap"

@@ -920,3 +920,48 @@ def test_a_cuda_bundle_holds_the_snapshot_and_the_allocator_figures(
     d = analyse(snap, bundle=bundle, failing_request=16 * MIB)
     assert d.fragmentation == pytest.approx(0.6) and d.fits_largest_free is False
     assert any(EXPANDABLE in r for r in d.remedies)
+
+
+def test_a_cuda_bundle_names_the_allocation_sites_that_grew(
+    fake_cuda: FakeCuda,
+    make_hook: Callable[..., MemoryHook],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """The hook keeps each site's live bytes as a baseline; the bundle at alert time says
+    which sites grew since: a leak's suspects, what `oomcast explain` prints first."""
+    from oomcast.collectors.diagnosis import analyse, explain_text, read_file
+    from oomcast.training.allocator import CachingAllocatorSim
+
+    torch = pytest.importorskip("torch")
+    sim = CachingAllocatorSim(400 * MIB)
+    site: dict[int, int] = {}
+
+    def alloc(n: int, line: int) -> None:
+        for _ in range(n):
+            site[sim.malloc(4 * MIB)] = line
+
+    def frames(h: int) -> list[dict[str, Any]]:
+        return [{"filename": "train.py", "line": site[h], "name": "step"}]
+
+    monkeypatch.setattr(
+        torch.cuda.memory, "_snapshot", lambda device=None: sim.memory_snapshot(frames)
+    )
+    fake_cuda.props.total_memory = 400 * MIB
+    alloc(5, 10)  # the model: 20 MiB at train.py:10
+    hook = make_hook("gpu-job", bundle_dir=str(tmp_path))
+    hook.step()  # the first sample takes the baseline, from a thread of its own
+    assert wait_until(lambda: hook._baseline is not None)
+    alloc(10, 42)  # then train.py:42 keeps 40 MiB more, train.py:10 1 block more
+    alloc(1, 10)
+    path = hook.write_bundle("test")
+    assert path is not None
+    snap, bundle = read_file(path)
+    assert bundle is not None
+    assert [(g["where"], g["grew_bytes"]) for g in bundle["growing_sites"]] == [
+        ("train.py:42 in step", 40 * MIB),
+        ("train.py:10 in step", 4 * MIB),
+    ]
+    d = analyse(snap, bundle=bundle)
+    assert any(r.startswith("leak suspects") and "train.py:42" in r for r in d.remedies)
+    assert "grew most over the last" in explain_text(d)

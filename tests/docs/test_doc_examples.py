@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import shlex
 from pathlib import Path
@@ -90,3 +91,24 @@ def test_every_documented_variable_is_read_by_something() -> None:
             if name.endswith("_") or name == "OOMCAST_ALERT":  # a family: OOMCAST_ALERT_*
                 continue
             assert name in known, f"{path.name} names {name}, which nothing reads"
+
+
+def test_every_whole_json_example_parses_and_records_validate() -> None:
+    """A JSON example is either whole (it must parse, and a sample or an event in it must
+    pass the trace parser) or visibly cut (it has a `...`, or is a fragment of an object,
+    starting with a key): nothing in between, which is where a broken example hides."""
+    from oomcast.model.schema import parse_record
+
+    checked = 0
+    for name, body in blocks("json"):
+        text = body.strip()
+        if "..." in text or text.startswith('"'):
+            continue  # elided or a fragment: said so by its own shape
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise AssertionError(f"{name}: a JSON example does not parse ({exc})") from None
+        if isinstance(doc, dict) and {"ts", "node", "device"} <= set(doc):
+            parse_record(doc)  # a sample or an event of the trace format
+        checked += 1
+    assert checked >= 2

@@ -122,7 +122,7 @@ def _points(
     "/v1/dashboard/memory/{node}/{device:path}",
     tags=["dashboard"],
     dependencies=[Authorized],
-    responses=responses(*V1, 422, 503),
+    responses=responses(*V1, 404, 422, 503),
 )
 async def domain_memory(
     ctx: Ctx,

@@ -5,7 +5,10 @@
   memory (``torch.cuda.mem_get_info``; used = total - free, so other processes count), and
   the step's peak: the allocator's peak reserved since the previous sample (the figure
   ``torch.cuda.max_memory_reserved`` returns, then ``reset_peak_memory_stats``), added on
-  top of the current use, so it is on the same scale as ``used_bytes``.
+  top of the current use, so it is on the same scale as ``used_bytes``. The allocated peak
+  since the previous sample (``allocated_bytes.all.peak``, reset by the same call) is kept
+  on the reader, :attr:`CudaReader.allocated_peak_bytes`, for the hook's phase measure in
+  allocation terms (docs/phases.md); it is not a sample field.
   The device is named by its UUID as NVML writes it (``GPU-xxxxxxxx-...``), else
   ``cuda{i}``; never ``gpu{i}``, the node agent's NVML name for the whole GPU.
 * :class:`HostReader` (no CUDA): this process's resident memory (``proc:{pid}``, through
@@ -155,6 +158,9 @@ class CudaReader:
         self.index = int(index)
         self.device = cuda_device_name(self.index, torch.cuda.get_device_properties(self.index))
         self.track_peak = track_peak
+        # the allocator's allocated peak over the span of the last sample read (since the
+        # sample before it); None without track_peak or where torch does not report it
+        self.allocated_peak_bytes: int | None = None
 
     def attach_oom_observer(self, on_oom: Callable[[], None]) -> None:
         """Call ``on_oom()`` when the caching allocator is about to raise an OOM on this
@@ -189,11 +195,15 @@ class CudaReader:
         retries = int(stats.get("num_alloc_retries", 0))
         ooms = int(stats.get("num_ooms", 0))
         peak_reserved = None
+        peak_allocated = None
         if self.track_peak:
-            # the figure torch.cuda.max_memory_reserved(i) returns, without a second
-            # memory_stats call
+            # the figures torch.cuda.max_memory_reserved(i) and max_memory_allocated(i)
+            # return, without a second memory_stats call; the reset clears both
             peak_reserved = int(stats.get("reserved_bytes.all.peak", reserved))
+            raw = stats.get("allocated_bytes.all.peak")
+            peak_allocated = None if raw is None else max(allocated, int(raw))
             cuda.reset_peak_memory_stats(i)
+        self.allocated_peak_bytes = peak_allocated
         free, total = cuda.mem_get_info(i)
         used = max(0, total - free)
         # other processes and the CUDA context do not move within a step: the device's

@@ -13,18 +13,27 @@ it, ``hook.step()`` counts one more) and, inside a phase, the ``phase``::
             with hook.phase("eval"):
                 evaluate()
 
-A phase begins with a sample (the level before it: the allocator's peak is reset there)
+A phase begins with a sample (the level before it: the allocator's peaks are reset there)
 and ends with one tagged with the phase, whose peak covers the phase. On a phase's first
-occurrence the hook measures what it needed: its peak less the higher of the level before
-it and the level after it (what the phase holds only while it runs; for the optimizer, its
-state stays after the first step and is not counted again). A measured figure replaces an
-announced one, and a later, larger occurrence replaces it again; each change is published
-as a ``schedule`` event, and the schedule is published again every ``REPUBLISH_S`` (a
-service replica that starts later, or takes the domain over, learns it from there).
+occurrence the hook measures what it needed. On CUDA, in allocation terms (the service
+judges a domain whose samples carry ``allocated_bytes`` and ``reserved_bytes`` against the
+free memory plus the allocator's cached free blocks): the allocator's allocated peak over
+the phase less the allocated bytes before it, so a checkpoint served from cached blocks
+still measures what it needs. In host mode, in used bytes: its peak less the higher of the
+level before it and the level after it (what the phase holds only while it runs; for the
+optimizer, its state stays after the first step and is not counted again). A measured
+figure replaces an announced one, and a later, larger occurrence replaces it again; each
+change is published as a ``schedule`` event, and the schedule is published again every
+``REPUBLISH_S`` (a service replica that starts later, or takes the domain over, learns it
+from there).
 
 Figures for phases not yet seen come from the user (``phase_extra_bytes=``) or, through
 :meth:`PhaseHook.set_phase_extra_bytes`, from any other estimate (the seam a background
-preflight run will use): announced figures never replace measured ones.
+preflight run will use): announced figures never replace measured ones. The latter takes
+``phase_peak_bytes=`` too: a phase's absolute peak, in allocated bytes (a preflight's
+figure for the first optimizer step: weights, gradients, optimizer state and activations
+together), which the service compares with the device before the job has loaded anything;
+it is sent until the phase first runs.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from oomcast.collectors.hook_memory import CudaReader
 from oomcast.collectors.hook_outbox import HookOutbox
 from oomcast.model.events import SCHEDULE, SCHEDULED_PHASES, ScheduleEvent, parse_schedule
 from oomcast.model.schema import PHASES, Sample
@@ -60,7 +70,11 @@ class PhaseHook:
         self._schedule: dict[str, Any] = {}  # eval_every_steps, checkpoint_every_steps, step_s
         self._extra: dict[str, int] = {}  # phase -> bytes (announced or measured)
         self._measured: set[str] = set()
+        self._peaks: dict[str, int] = {}  # phase -> announced absolute peak (allocated bytes)
+        self._ran: set[str] = set()  # scheduled phases that have run (their peaks are spent)
         self._level_bytes: int | None = None  # use before the current phase
+        self._level_allocated: int | None = None  # allocated bytes before it (CUDA)
+        self._phase_allocated_peak: int | None = None  # the allocator's peak within it
         self._has_schedule = False
         self._next_schedule_at = 0.0
         self._phase_lock = threading.Lock()  # the seam may be called from another thread
@@ -101,35 +115,54 @@ class PhaseHook:
     ) -> None:
         """The job's schedule: eval every N steps, checkpoint every M, seconds per step (if
         known; the service measures it otherwise), and the extra bytes of the phases not
-        yet seen. Values left out keep what was set before. Published at once (with a
-        sample: the level and the step the schedule starts from). ValueError (a
-        :class:`~oomcast.model.schema.SchemaError`) naming a bad argument."""
+        yet seen (absolute peaks: :meth:`set_phase_extra_bytes`). Values left out keep what
+        was set before. Published at once (with a sample: the level and the step the
+        schedule starts from). ValueError (a :class:`~oomcast.model.schema.SchemaError`)
+        naming a bad argument."""
         given = {
             "eval_every_steps": eval_every_steps,
             "checkpoint_every_steps": checkpoint_every_steps,
             "step_s": step_s,
         }
-        self._update(given, phase_extra_bytes or {})
+        self._update(given, phase_extra_bytes or {}, {})
         if not self._off:
             self._sample()
         self._publish_schedule()
 
-    def set_phase_extra_bytes(self, phase_extra_bytes: Mapping[str, int]) -> None:
+    def set_phase_extra_bytes(
+        self,
+        phase_extra_bytes: Mapping[str, int],
+        *,
+        phase_peak_bytes: Mapping[str, int] | None = None,
+    ) -> None:
         """Announce the extra bytes of phases (an estimate, e.g. from a preflight run in the
-        background): ignored for a phase already measured; published at once. Safe to call
-        from another thread (it takes no sample). ValueError naming a bad phase or value."""
-        self._update({}, phase_extra_bytes)
+        background) and, with ``phase_peak_bytes``, their absolute peaks (allocated bytes:
+        for the first optimizer step, weights, gradients, optimizer state and activations
+        together): ignored for a phase already measured (a peak, for one that has run);
+        published at once. Safe to call from another thread (it takes no sample).
+        ValueError naming a bad phase or value."""
+        self._update({}, phase_extra_bytes, phase_peak_bytes or {})
         self._publish_schedule()
 
-    def _update(self, given: Mapping[str, Any], phase_extra_bytes: Mapping[str, int]) -> None:
+    def _update(
+        self,
+        given: Mapping[str, Any],
+        phase_extra_bytes: Mapping[str, int],
+        phase_peak_bytes: Mapping[str, int],
+    ) -> None:
         with self._phase_lock:
             schedule = {**self._schedule, **{k: v for k, v in given.items() if v is not None}}
             extra = dict(self._extra)
             for phase, value in phase_extra_bytes.items():
                 if phase not in self._measured:
                     extra[phase] = value
-            self._check(schedule, extra)
-            self._schedule, self._extra, self._has_schedule = schedule, extra, True
+            peaks = dict(self._peaks)
+            for phase, value in phase_peak_bytes.items():
+                if phase not in self._measured and phase not in self._ran:
+                    peaks[phase] = value
+            self._check(schedule, extra, phase_peak_bytes)
+            self._schedule, self._extra, self._peaks = schedule, extra, peaks
+            self._has_schedule = True
 
     @property
     def schedule(self) -> dict[str, Any]:
@@ -144,6 +177,12 @@ class PhaseHook:
             return dict(self._extra)
 
     @property
+    def phase_peak_bytes(self) -> dict[str, int]:
+        """The announced absolute peaks of the phases that have not run yet."""
+        with self._phase_lock:
+            return dict(self._peaks)
+
+    @property
     def measured_phases(self) -> frozenset[str]:
         return frozenset(self._measured)
 
@@ -156,9 +195,8 @@ class PhaseHook:
             self.end_phase()
         if self._off:
             return
-        before = self._sample()
-        if before is not None:
-            self._level_bytes = before.used_bytes
+        self._sample()  # the level before it (_noted); the allocator's peaks are reset
+        self._phase_allocated_peak = None
         self.current_phase = phase
 
     def end_phase(self, phase: str | None = None) -> None:
@@ -179,6 +217,8 @@ class PhaseHook:
         if after is not None:
             self._measure(name, after)
             self._level_bytes = after.used_bytes
+            self._level_allocated = after.allocated_bytes
+        self._phase_allocated_peak = None
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -190,17 +230,38 @@ class PhaseHook:
             self.end_phase(name)
 
     def _noted(self, sample: Sample) -> None:
-        """Called by the hook for every sample taken: the level outside any phase."""
+        """Called by the hook for every sample taken: the level outside any phase; inside
+        one, the allocator's allocated peak over it so far (each sample's read covers the
+        span since the one before, where the allocator's peaks were reset)."""
         if self.current_phase is None:
             self._level_bytes = sample.used_bytes
+            self._level_allocated = sample.allocated_bytes
+            return
+        reader = getattr(self, "_reader", None)
+        peak = reader.allocated_peak_bytes if isinstance(reader, CudaReader) else None
+        if peak is not None:
+            so_far = self._phase_allocated_peak
+            self._phase_allocated_peak = peak if so_far is None else max(so_far, peak)
 
     # --- measuring and publishing ------------------------------------------------------------
 
     def _measure(self, phase: str, after: Sample) -> None:
-        before = self._level_bytes
-        if phase not in SCHEDULED_PHASES or before is None or after.peak_bytes is None:
+        """The phase ended with ``after``: its announced peak is spent, and its figure is
+        measured (allocation terms on CUDA, used bytes in host mode: module docstring)."""
+        if phase not in SCHEDULED_PHASES:
+            return
+        with self._phase_lock:
+            self._ran.add(phase)
+            self._peaks.pop(phase, None)
+        before, peak = self._level_allocated, self._phase_allocated_peak
+        allocation_terms = after.allocated_bytes is not None and after.reserved_bytes is not None
+        if allocation_terms and before is not None and peak is not None:
+            extra = max(0, peak - before)
+        elif self._level_bytes is not None and after.peak_bytes is not None:
+            # host mode (or a torch that reports no allocated peak): in used bytes
+            extra = max(0, after.peak_bytes - max(self._level_bytes, after.used_bytes))
+        else:
             return  # no peak (track_peak=False): the announced figure stays
-        extra = max(0, after.peak_bytes - max(before, after.used_bytes))
         with self._phase_lock:
             if phase in self._measured and extra <= self._extra.get(phase, 0):
                 return
@@ -214,6 +275,7 @@ class PhaseHook:
         with self._phase_lock:
             sched, extra, measured = dict(self._schedule), dict(self._extra), self._measured
             measured_list = tuple(p for p in SCHEDULED_PHASES if p in measured)
+            peaks = dict(self._peaks)
         return ScheduleEvent(
             ts=time.time() if ts is None else ts,
             node=self.node,
@@ -225,6 +287,7 @@ class PhaseHook:
             step_s=sched.get("step_s"),
             phase_extra_bytes=extra,
             measured=measured_list,
+            phase_peak_bytes=peaks,
         )
 
     def _publish_schedule(self) -> None:
@@ -232,7 +295,9 @@ class PhaseHook:
         if not self._off:
             self._publish(self.schedule_event())
 
-    def _check(self, schedule: Mapping[str, Any], extra: Mapping[str, int]) -> None:
+    def _check(
+        self, schedule: Mapping[str, Any], extra: Mapping[str, int], peaks: Mapping[str, int]
+    ) -> None:
         """Refuse what the service would refuse, with the same message (one validator)."""
         obj = {"ts": 1.0, "node": "n", "device": "d", "event": SCHEDULE, **schedule}
-        parse_schedule({**obj, "phase_extra_bytes": dict(extra)})
+        parse_schedule({**obj, "phase_extra_bytes": dict(extra), "phase_peak_bytes": dict(peaks)})

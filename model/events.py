@@ -94,13 +94,17 @@ class ScheduleEvent(Event):
     ``step_s``: seconds per step as the job announces it (None: measured from the samples);
     ``phase_extra_bytes``: phase -> bytes the phase needs above the level before it;
     ``measured``: the phases whose figure was measured on a real occurrence (the others are
-    announced: given by the user or a preflight run)."""
+    announced: given by the user or a preflight run); ``phase_peak_bytes``: phase -> the
+    most bytes the allocator holds at once while the phase runs, absolute (weights,
+    gradients, optimizer state and activations together: allocated bytes, as a preflight
+    run computes it before the job starts), for phases that have not run yet."""
 
     eval_every_steps: int | None = None
     checkpoint_every_steps: int | None = None
     step_s: float | None = None
     phase_extra_bytes: Mapping[str, int] = field(default_factory=dict)
     measured: tuple[str, ...] = ()
+    phase_peak_bytes: Mapping[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ts": self.ts, "node": self.node, "device": self.device}
@@ -114,6 +118,8 @@ class ScheduleEvent(Event):
         out["phase_extra_bytes"] = dict(self.phase_extra_bytes)
         if self.measured:
             out["measured"] = list(self.measured)
+        if self.phase_peak_bytes:
+            out["phase_peak_bytes"] = dict(self.phase_peak_bytes)
         return out
 
     def to_detailed(self) -> DetailedEvent:
@@ -143,15 +149,20 @@ def _step_s(obj: Mapping[str, Any]) -> float | None:
     return seconds
 
 
-def _extra_bytes(obj: Mapping[str, Any]) -> dict[str, int]:
-    if "phase_extra_bytes" not in obj:
-        raise SchemaError("phase_extra_bytes", "is required (an empty object when none is known)")
-    raw = obj["phase_extra_bytes"]
+def _phase_bytes(obj: Mapping[str, Any], name: str, *, required: bool) -> dict[str, int]:
+    """``phase_extra_bytes`` or ``phase_peak_bytes``: an object of phase -> byte count."""
+    if name not in obj:
+        if not required:
+            return {}
+        raise SchemaError(name, "is required (an empty object when none is known)")
+    raw = obj[name]
+    if raw is None and not required:
+        return {}
     if not isinstance(raw, Mapping):
-        raise SchemaError("phase_extra_bytes", f"must be an object, got {type(raw).__name__}")
+        raise SchemaError(name, f"must be an object, got {type(raw).__name__}")
     out: dict[str, int] = {}
     for phase, value in raw.items():
-        key = f"phase_extra_bytes.{str(phase)[:40]}"
+        key = f"{name}.{str(phase)[:40]}"
         if phase not in SCHEDULED_PHASES:
             raise SchemaError(key, f"is not one of the phases {', '.join(SCHEDULED_PHASES)}")
         count = _count({key: value}, key, required=True)
@@ -184,6 +195,7 @@ def parse_schedule(obj: Mapping[str, Any]) -> ScheduleEvent:
         eval_every_steps=_period(plain, "eval_every_steps"),
         checkpoint_every_steps=_period(plain, "checkpoint_every_steps"),
         step_s=_step_s(plain),
-        phase_extra_bytes=_extra_bytes(plain),
+        phase_extra_bytes=_phase_bytes(plain, "phase_extra_bytes", required=True),
         measured=_measured(plain),
+        phase_peak_bytes=_phase_bytes(plain, "phase_peak_bytes", required=False),
     )

@@ -11,6 +11,15 @@ its samples) and the extra bytes of each phase (announced, then measured from th
 coming in T seconds, will not fit beside what the domain uses now; :func:`merge` folds that
 into the LSTM's forecast.
 
+Units: where a sample carries the caching allocator's ``allocated_bytes`` and
+``reserved_bytes`` (the CUDA hook), a phase is judged in allocation terms: its figure is
+allocated bytes (the hook's measure, or an announced one) and its headroom is the device's
+free memory plus the allocator's cached free blocks (``usable - used + reserved -
+allocated``), so blocks a previous eval or checkpoint left cached count as room until a
+creep fills them. Elsewhere (host mode, NVML) both are in used bytes, as before. An
+announced absolute peak (``phase_peak_bytes``, allocated bytes) is judged against the
+device less what is held outside the allocator.
+
 Pure and clock-free: every time is a sample's or event's ``ts``. The service and the
 evaluator use this same code.
 """
@@ -41,11 +50,30 @@ STEP_WINDOW = 33  # step changes kept for the step rate (32 intervals)
 MIN_RATE_STEPS = 2  # steps the window must span before the measured rate is used
 
 
+def committed_bytes(sample: Sample) -> int | None:
+    """What of the domain a phase cannot draw on, in allocation terms: the memory held
+    outside the caching allocator (``used - reserved``: the CUDA context, libraries, other
+    processes) plus what the allocator has allocated; its cached free blocks are not in it.
+    None when the sample does not carry the allocator's figures."""
+    allocated, reserved = sample.allocated_bytes, sample.reserved_bytes
+    if allocated is None or reserved is None:
+        return None
+    return max(0, sample.used_bytes - reserved + allocated)
+
+
+def level_of(sample: Sample) -> int:
+    """The level a phase is judged from: :func:`committed_bytes` where known, else the use."""
+    committed = committed_bytes(sample)
+    return sample.used_bytes if committed is None else committed
+
+
 @dataclass(frozen=True, slots=True)
 class PhaseForecast:
     """The earliest scheduled phase that will not fit: it comes in ``time_to_oom_s``
-    seconds (``steps_away`` steps) and needs ``extra_bytes`` above the current use, more
-    than the ``headroom_bytes`` left (total less use, less the margin)."""
+    seconds (``steps_away`` steps) and needs ``extra_bytes`` above the current level, more
+    than the ``headroom_bytes`` left (total less the level, less the margin; the level is
+    the use, or in allocation terms what is held outside the allocator plus what it has
+    allocated: :func:`committed_bytes`)."""
 
     phase: str
     time_to_oom_s: float
@@ -82,10 +110,15 @@ class PhaseState:
     steps: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     last_ran: dict[str, int] = field(default_factory=dict)  # phase -> step it last ran at
     level_bytes: int | None = None  # use of the newest sample outside the scheduled phases
-    # use of the first sample of the current step: the first optimizer step's state comes
-    # on top of the weights and gradients, after the step's activations are gone, so it is
-    # judged from here, not from a sample taken mid-forward (which counted them twice)
+    # level (level_of) of the first sample of the current step: the first optimizer step's
+    # state comes on top of the weights and gradients, after the step's activations are
+    # gone, so it is judged from here, not from a sample taken mid-forward (which counted
+    # them twice); in allocation terms evals and checkpoints too (they run between steps)
     step_start_bytes: int | None = None
+    # announced absolute peaks (allocated bytes) of phases that have not run yet
+    peak_bytes: dict[str, int] = field(default_factory=dict)
+    # (ts, allocated bytes, else use) of the first sample at step 0: the weights' load rate
+    load_start: tuple[float, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able, for the snapshot a replica taking the domain over restores."""
@@ -97,6 +130,8 @@ class PhaseState:
             "last_ran": dict(self.last_ran),
             "level_bytes": self.level_bytes,
             "step_start_bytes": self.step_start_bytes,
+            "peak_bytes": dict(self.peak_bytes),
+            "load_start": None if self.load_start is None else list(self.load_start),
         }
 
     @classmethod
@@ -115,6 +150,10 @@ class PhaseState:
         )
         state.extra_bytes = dict(extra.phase_extra_bytes)
         state.measured = set(extra.measured)
+        peaks = parse_schedule(
+            {**check, "phase_extra_bytes": {}, "phase_peak_bytes": data.get("peak_bytes", {})}
+        )
+        state.peak_bytes = dict(peaks.phase_peak_bytes)
         last_ran = parse_schedule({**check, "phase_extra_bytes": data.get("last_ran", {})})
         state.last_ran = dict(last_ran.phase_extra_bytes)
         for pair in data.get("steps", []):
@@ -130,12 +169,21 @@ class PhaseState:
         if start is not None and (type(start) is not int or start < 0):
             raise ValueError(f"phases step_start_bytes: {start!r} is not a byte count")
         state.step_start_bytes = start
+        load = data.get("load_start")
+        if load is not None:
+            if not isinstance(load, list | tuple) or len(load) != 2:
+                raise ValueError(f"phases load_start: {load!r} is not a (ts, bytes) pair")
+            ts, level = load
+            if not isinstance(ts, int | float) or type(level) is not int or level < 0:
+                raise ValueError(f"phases load_start: {load!r} is not a (ts, bytes) pair")
+            state.load_start = (float(ts), level)
         return state
 
     def on_schedule(self, event: ScheduleEvent) -> None:
         """A (new or repeated) schedule: its periods replace the old ones; its figure for a
         phase replaces the current one, except that an announced figure never replaces a
-        measured one."""
+        measured one. Its absolute peaks replace the announced ones, for the phases that
+        have not run yet (once a phase has run, its own figure is what counts)."""
         self.schedule = event
         for phase, extra in event.phase_extra_bytes.items():
             is_measured = phase in event.measured
@@ -145,6 +193,11 @@ class PhaseState:
                 self.measured.add(phase)
                 if phase == "optimizer":
                     self.last_ran.setdefault("optimizer", 0)
+        self.peak_bytes = {
+            phase: peak
+            for phase, peak in event.phase_peak_bytes.items()
+            if phase not in self.measured and phase not in self.last_ran
+        }
 
     def observe(self, sample: Sample) -> None:
         """Take a sample's step, phase and use into account (before :meth:`forecast`)."""
@@ -154,9 +207,13 @@ class PhaseState:
             if steps and step < steps[-1][1]:  # the job started over: a new step count
                 steps.clear()
                 self.last_ran.clear()
+                self.load_start = None
             if not steps or step != steps[-1][1]:
                 steps.append((sample.ts, step))
-                self.step_start_bytes = sample.used_bytes
+                self.step_start_bytes = level_of(sample)
+            if step == 0 and self.load_start is None:
+                loaded = sample.allocated_bytes
+                self.load_start = (sample.ts, sample.used_bytes if loaded is None else loaded)
         phase = sample.phase
         if phase in SCHEDULED_PHASES:
             assert phase is not None
@@ -165,15 +222,23 @@ class PhaseState:
             self.level_bytes = sample.used_bytes
 
     def _ran(self, phase: str, sample: Sample) -> None:
-        """The phase ran (the sample was taken in it): note the step, and measure what it
-        needed above the level before it (its peak, or its use when it reports none, less
-        the higher of that level and the use after it). The first measurement replaces the
-        announced figure; later ones keep the largest seen (evals vary with their data)."""
+        """The phase ran (the sample was taken in it): note the step (its announced absolute
+        peak is spent), and measure what it needed above the level before it (its peak, or
+        its use when it reports none, less the higher of that level and the use after it).
+        The first measurement replaces the announced figure; later ones keep the largest
+        seen (evals vary with their data).
+
+        Only in used terms: a sample's ``peak_bytes`` is the device's (the reservation's)
+        peak, and the allocator's allocated peak is not in any sample. Where samples carry
+        the allocator's figures the phase is judged in allocation terms, so nothing is
+        measured here; the figure is the hook's, from the allocated peak it reads itself,
+        sent in its ``schedule`` event."""
         if sample.step is not None:
             self.last_ran[phase] = sample.step
         else:
             self.last_ran.setdefault(phase, 0)
-        if self.level_bytes is None:
+        self.peak_bytes.pop(phase, None)
+        if self.level_bytes is None or committed_bytes(sample) is not None:
             return
         high = sample.used_bytes if sample.peak_bytes is None else sample.peak_bytes
         extra = max(0, high - max(self.level_bytes, sample.used_bytes))
@@ -211,8 +276,11 @@ class PhaseState:
         return period - step % period
 
     def forecast(self, sample: Sample) -> PhaseForecast | None:
-        """The earliest scheduled phase whose extra bytes do not fit beside ``sample``'s
-        use, or None (no schedule, no step seen, no step rate, or every phase fits)."""
+        """The earliest scheduled phase that does not fit beside ``sample``'s level, or None
+        (no schedule, no step seen, no step rate, or every phase fits). A phase does not fit
+        when its figure is above the headroom (both in allocation terms where the sample
+        carries the allocator's figures, else in used bytes), or when its announced
+        absolute peak is above the device less what is held outside the allocator."""
         if self.schedule is None or not self.steps:
             return None
         step_s = self.step_s()
@@ -221,22 +289,61 @@ class PhaseState:
         at_ts, step = self.steps[-1]
         since_s = max(0.0, sample.ts - at_ts)
         usable = sample.total_bytes - int(MARGIN_FRAC * sample.total_bytes)
+        committed = committed_bytes(sample)
+        level = sample.used_bytes if committed is None else committed
+        outside = 0
+        if sample.reserved_bytes is not None:
+            outside = max(0, sample.used_bytes - sample.reserved_bytes)
         best: PhaseForecast | None = None
-        for phase, extra in self.extra_bytes.items():
-            base = sample.used_bytes
-            if phase == "optimizer" and self.step_start_bytes is not None:
-                base = min(base, self.step_start_bytes)
-            headroom = usable - base
-            if extra <= headroom or phase == sample.phase:
-                continue  # it fits, or it is running now
+        announced_only = [p for p in self.peak_bytes if p not in self.extra_bytes]
+        for phase in [*self.extra_bytes, *announced_only]:
+            if phase == sample.phase:
+                continue  # it is running now
             k = self.steps_to(phase, step)
             if k is None:
                 continue
-            t = max(0.0, k * step_s - since_s)
-            if best is None or t < best.time_to_oom_s:
-                measured = phase in self.measured
-                best = PhaseForecast(phase, t, k, extra, max(0, headroom), measured)
+            base = level
+            start = self.step_start_bytes
+            if start is not None and (committed is not None or phase == "optimizer"):
+                base = min(base, start)
+            headroom = usable - base
+            extra = self.extra_bytes.get(phase)
+            if extra is not None and extra > headroom:
+                t = max(0.0, k * step_s - since_s)
+                if best is None or t < best.time_to_oom_s:
+                    measured = phase in self.measured
+                    best = PhaseForecast(phase, t, k, extra, max(0, headroom), measured)
+            peak = self.peak_bytes.get(phase)
+            if peak is not None and peak + outside > usable:
+                if phase == "optimizer":
+                    t = self._first_step_in_s(sample, step_s)
+                else:
+                    t = max(0.0, k * step_s - since_s)
+                if best is None or t < best.time_to_oom_s:
+                    need = max(0, peak + outside - base)  # above the level now
+                    best = PhaseForecast(phase, t, k, need, max(0, headroom), False)
         return best
+
+    def _first_step_in_s(self, sample: Sample, step_s: float) -> float:
+        """When the first optimizer step comes, for a job at step 0: after the rest of the
+        weights' load, at the rate the samples since step 0 show, and one step. The weights
+        are about the announced peak less the announced extra (the same preflight run gave
+        both: the extra is what the first steps need above the loaded weights; less, where
+        those steps free some of what was loaded before their peak). Without them, or
+        once the load is done, or before a second sample gives a rate: one step."""
+        peak, extra = self.peak_bytes.get("optimizer"), self.extra_bytes.get("optimizer")
+        if peak is None or extra is None or "optimizer" in self.measured:
+            return step_s
+        if self.load_start is None:
+            return step_s
+        t0, level0 = self.load_start
+        level = sample.used_bytes if sample.allocated_bytes is None else sample.allocated_bytes
+        remaining = peak - extra - level
+        elapsed = sample.ts - t0
+        if remaining <= 0 or elapsed <= 0 or level <= level0:
+            return step_s
+        rate = (level - level0) / elapsed
+        return remaining / rate + step_s
 
 
 def merge(fc: Forecast, phase: PhaseForecast | None) -> tuple[Forecast, str | None]:

@@ -163,13 +163,30 @@ class OnnxForecaster:
         samples: list[Sample],
         embeddings: Sequence[Embedding | None] | None = None,
     ) -> list[Forecast]:
+        return self.step_arrays(states, samples, embeddings)[0]
+
+    def step_arrays(
+        self,
+        states: list[Slot],
+        samples: list[Sample],
+        embeddings: Sequence[Embedding | None] | None = None,
+    ) -> tuple[list[Forecast], np.ndarray, list[float | None]]:
+        """``step``, and the batch as arrays beside the forecasts: the risks (rows,
+        horizons; columns in ``horizons_s`` order) and each row's time to OOM, for a caller
+        that judges thousands of forecasts at once (``service/state.py``)."""
         n = len(states)
         if n == 0:
-            return []
+            return [], np.zeros((0, len(self.horizons_s)), np.float32), []
         width = self._n_features
-        if embeddings is not None and all(e is not None and len(e) == width for e in embeddings):
-            x = np.asarray(embeddings, dtype=np.float32)  # the node's: the hot path
-        else:
+        x: np.ndarray | None = None
+        if embeddings is not None:  # the node's: the hot path, one conversion for them all
+            try:
+                x = np.asarray(embeddings, dtype=np.float32)
+            except (TypeError, ValueError):  # a missing (None) or ragged one among them
+                x = None
+            if x is not None and x.shape != (n, width):
+                x = None
+        if x is None:
             # Computed here for the samples that came without a usable embedding. A domain
             # whose node stops sending one starts its local history afresh at that sample.
             rows = []
@@ -182,26 +199,30 @@ class OnnxForecaster:
         if n == 1:  # one domain (POST /v1/samples, a quiet node): a view, no gather
             i = states[0].index
             idx: slice | np.ndarray = slice(i, i + 1)
-        else:
-            idx = np.fromiter((st.index for st in states), dtype=np.intp, count=n)
-        risk, tto, h, c = self.session.run(
-            None, {"x": x[:, None, :], "h": self._h[:, idx], "c": self._c[:, idx]}
-        )
+            h0, c0 = self._h[:, idx], self._c[:, idx]
+        else:  # np.take gathers a quarter faster than fancy indexing
+            slot_rows = np.fromiter((st.index for st in states), dtype=np.intp, count=n)
+            idx = slot_rows
+            h0, c0 = np.take(self._h, slot_rows, axis=1), np.take(self._c, slot_rows, axis=1)
+        risk, tto, h, c = self.session.run(None, {"x": x[:, None, :], "h": h0, "c": c0})
         risk, tto = risk[:, 0, :], tto[:, 0]
-        tick_min = self._tick_min_s
-        due = [s.ts - st.tick_ts >= tick_min for st, s in zip(states, samples, strict=True)]
-        if all(due):
+        ts = np.fromiter((s.ts for s in samples), np.float64, n)
+        ticks = np.fromiter((st.tick_ts for st in states), np.float64, n)
+        due = ts - ticks >= self._tick_min_s
+        if due.all():
             self._h[:, idx] = h
             self._c[:, idx] = c
-        elif any(due):
+            for st, s in zip(states, samples, strict=True):
+                st.tick_ts = s.ts
+        elif due.any():
             due_rows = np.flatnonzero(due)
             sel = np.asarray(idx)[due_rows] if n > 1 else np.asarray([states[0].index])
             self._h[:, sel] = h[:, due_rows]
             self._c[:, sel] = c[:, due_rows]
-        for st, s, d in zip(states, samples, due, strict=True):
-            if d:
-                st.tick_ts = s.ts
-        return self._forecasts(risk, tto, samples)
+            for k in due_rows.tolist():
+                states[k].tick_ts = samples[k].ts
+        ttos = self._ttos(risk, tto)
+        return self._forecasts(risk, ttos, samples), risk, ttos
 
     def window(self, samples: list[Sample]) -> list[Forecast]:
         """Forecasts for every sample of one domain's window, from a fresh state, stepped
@@ -234,18 +255,22 @@ class OnnxForecaster:
         if committed:
             _, _, h, c = self.session.run(None, {"x": x[committed][None], "h": h, "c": c})
         risk, tto, _, _ = self.session.run(None, {"x": x[-1:][None], "h": h, "c": c})
-        return self._forecasts(risk[:, -1, :], tto[:, -1], samples[-1:])[0]
+        risk = risk[:, -1, :]
+        return self._forecasts(risk, self._ttos(risk, tto[:, -1]), samples[-1:])[0]
 
-    def _forecasts(
-        self, risk: np.ndarray, tto: np.ndarray, samples: list[Sample]
-    ) -> list[Forecast]:
-        """One Forecast per row of ``risk`` (rows, H), made from ``samples[i]``; the time to
-        OOM from the network's own head, where the risk says an OOM is in sight."""
+    def _ttos(self, risk: np.ndarray, tto: np.ndarray) -> list[float | None]:
+        """The time to OOM from the network's own head, where the risk within the longest
+        horizon says an OOM is in sight (else None), per row."""
         floor = self.tto_min_risk
-        ttos = [
+        return [
             float(t) if r >= floor else None
             for t, r in zip(tto.tolist(), risk[:, -1].tolist(), strict=True)
         ]
+
+    def _forecasts(
+        self, risk: np.ndarray, ttos: list[float | None], samples: list[Sample]
+    ) -> list[Forecast]:
+        """One Forecast per row of ``risk`` (rows, H), made from ``samples[i]``."""
         index = self._index
         version = self.version
         new, cls = tuple.__new__, Forecast  # Forecast(...) without its Python-level __new__

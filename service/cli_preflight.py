@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import runpy
 import sys
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +61,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-remedies", action="store_true", help="skip the remedy search")
     p.add_argument("--entry", help="pkg.module:function returning a PreflightJob")
     p.add_argument(
-        "command",
+        "script",  # not "command": main() names the subcommand by args.command in errors
+        metavar="command",
         nargs=argparse.REMAINDER,
         help="after --: python SCRIPT ARGS (or python -m MODULE ARGS) calling submit(job)",
     )
@@ -121,6 +124,8 @@ def _run_script(command: list[str], options: dict[str, Any]) -> PreflightReport:
     module = command[1] if command[0] == "-m" and len(command) > 1 else None
     if module is None and not Path(command[0]).is_file():
         raise UsageError(f"no such script: {command[0]}")
+    if module is not None:
+        _find_module(module)
     argv, path = sys.argv[:], sys.path[:]
     sys.argv = [command[0] if module is None else module, *command[(1 if module is None else 2) :]]
     if module is None:
@@ -139,6 +144,14 @@ def _run_script(command: list[str], options: dict[str, Any]) -> PreflightReport:
                     f"the script exited (status {exc.code}) before calling"
                     " oomcast.preflight.submit(job)"
                 ) from None
+            except Exception as exc:
+                # the script's own failure is not a verdict: exit status 1 means "would
+                # OOM", so it must not escape as a traceback (which exits 1 too)
+                traceback.print_exc(file=sys.stderr)
+                raise UsageError(
+                    f"the script failed before calling oomcast.preflight.submit(job):"
+                    f" {type(exc).__name__}: {exc} (traceback above)"
+                ) from None
     finally:
         sys.argv, sys.path[:] = argv, path
     if s.report is None:
@@ -146,9 +159,25 @@ def _run_script(command: list[str], options: dict[str, Any]) -> PreflightReport:
     return s.report
 
 
+def _find_module(module: str) -> None:
+    """``-m MODULE`` must name a module this Python finds (UsageError, exit 2, if not)."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as exc:
+        spec, why = None, f" ({exc})"
+    else:
+        why = ""
+    if spec is None:
+        raise UsageError(
+            f"-m {module}: no such module{why}; the folder you run from is not searched,"
+            " so install the package or set PYTHONPATH (e.g. PYTHONPATH=. oomcast preflight"
+            " ... -- python -m MODULE)"
+        )
+
+
 def cmd_preflight(args: argparse.Namespace) -> int:
     options = _options(args)
-    if args.entry and args.command and args.command != ["--"]:
+    if args.entry and args.script and args.script != ["--"]:
         raise UsageError("give --entry or a command after --, not both")
     from oomcast.preflight.api import preflight
     from oomcast.preflight.capture import CaptureError
@@ -157,7 +186,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         if args.entry:
             report = preflight(_entry_job(args.entry), **options)
         else:
-            report = _run_script(list(args.command), options)
+            report = _run_script(list(args.script), options)
     except CaptureError as exc:
         raise UsageError(str(exc)) from None
     if args.plot:

@@ -126,3 +126,24 @@ class Metrics:
             self.deliveries_failing.labels(target=target).set(th.failing)
             self.deliveries_overdue.labels(target=target).set(th.overdue)
         self.deliveries_degraded.set(1 if health.degraded else 0)
+
+
+def observe_many(histogram: Histogram, amount: float, count: int) -> None:
+    """``histogram.observe(amount)`` ``count`` times, in one step: the samples of one stream
+    entry arrived together and are forecast together, so they share one latency, and
+    observing each (a lock and a bucket search apiece) was 6% of ingest. Falls back to the
+    loop where the client library's internals are not the ones this was written against."""
+    buckets = getattr(histogram, "_buckets", None)
+    bounds = getattr(histogram, "_upper_bounds", None)
+    total = getattr(histogram, "_sum", None)
+    if count <= 0:
+        return
+    if buckets is None or bounds is None or total is None or len(buckets) != len(bounds):
+        for _ in range(count):
+            histogram.observe(amount)
+        return
+    total.inc(amount * count)
+    for i, bound in enumerate(bounds):
+        if amount <= bound:
+            buckets[i].inc(count)
+            break

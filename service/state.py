@@ -11,9 +11,12 @@ it and handles Redis and deliveries itself.
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from oomcast.model.events import ScheduleEvent
 from oomcast.model.forecast import Embedding as ForecastEmbedding
@@ -57,6 +60,10 @@ class DomainState:
     cause: str | None = None
     phase_forecast: PhaseForecast | None = None
     first: Sample | None = None  # the job's first sample: baselines for service/explainer.py
+    # True only once every episode was seen neither firing nor over its bar: until a rule
+    # fires on a forecast, nothing of the domain's rules can change, and they are skipped
+    # (``LiveState._apply_round``). Episodes only leave that state through ``advance``.
+    quiet: bool = False
 
     def summary(self, horizon_s: int) -> dict[str, Any]:
         s, f = self.last, self.forecast
@@ -205,18 +212,32 @@ class LiveState:
         ``embeddings`` runs parallel to ``samples`` (the node's, where they match), and so
         does ``attested`` (signed by the domain's own node; none are when not given)."""
         result = Applied()
-        rounds: list[list[tuple[Sample, Embedding, bool]]] = []
+        n = len(samples)
+        embs: list[Embedding] = list(embeddings) if embeddings is not None else [None] * n
+        signed = list(attested) if attested is not None else [False] * n
+        if len(embs) != n or len(signed) != n:
+            raise ValueError(f"{n} samples, {len(embs)} embeddings, {len(signed)} attested")
+        domains = [(s.node, s.device) for s in samples]
+        if len(set(domains)) == n:  # one sample per domain (the usual batch): one round
+            self._apply_round(domains, samples, embs, signed, now, result)
+            return result
+        rounds: list[list[int]] = []
         depth: dict[Domain, int] = {}
-        embs = embeddings if embeddings is not None else [None] * len(samples)
-        signed = attested if attested is not None else [False] * len(samples)
-        for sample, emb, ok in zip(samples, embs, signed, strict=True):
-            k = depth.get(sample.domain, 0)
-            depth[sample.domain] = k + 1
+        for i, d in enumerate(domains):
+            k = depth.get(d, 0)
+            depth[d] = k + 1
             if k == len(rounds):
                 rounds.append([])
-            rounds[k].append((sample, emb, ok))
-        for round_samples in rounds:
-            self._apply_round(round_samples, now, result)
+            rounds[k].append(i)
+        for r in rounds:
+            self._apply_round(
+                [domains[i] for i in r],
+                [samples[i] for i in r],
+                [embs[i] for i in r],
+                [signed[i] for i in r],
+                now,
+                result,
+            )
         return result
 
     def _admit(
@@ -328,38 +349,135 @@ class LiveState:
         return None
 
     def _apply_round(
-        self, samples: list[tuple[Sample, Embedding, bool]], now: float, result: Applied
+        self,
+        domains: list[Domain],
+        samples: list[Sample],
+        embeddings: list[Embedding],
+        signed: list[bool],
+        now: float,
+        result: Applied,
     ) -> None:
-        batch: list[tuple[DomainState, Sample, Embedding, bool]] = []
-        for sample, emb, attested in samples:
-            st = self._admit(sample, attested, now, result)
-            if st is not None:
-                batch.append((st, sample, emb, attested))
-        if not batch:
+        """One round: at most one sample per domain (parallel sequences)."""
+        states: list[DomainState] = []
+        refused: list[int] = []
+        known = self.domains
+        window = self.attest_window_s
+        for i, (d, sample, attested) in enumerate(zip(domains, samples, signed, strict=True)):
+            st = known.get(d)
+            last = None if st is None else st.last
+            if (
+                st is not None
+                and last is not None
+                and sample.ts > last.ts
+                and (st.last_oom_ts is None or sample.ts > st.last_oom_ts)
+                and (sample.job is None or st.job is None or sample.job == st.job)
+                and (attested or st.attested_at is None or now - st.attested_at > window)
+            ):
+                # the usual sample: the domain's next one, of the same job, signed as its
+                # others were; _admit's checks all pass and its updates are these
+                st.last = sample
+                st.behind = 0
+                if attested:
+                    st.attested_at = now
+                else:
+                    st.unattested_at = now
+            else:
+                st = self._admit(sample, attested, now, result)
+                if st is None:
+                    refused.append(i)
+                    continue
+            states.append(st)
+        admitted, embs = samples, embeddings
+        if refused:  # the round less the refused samples
+            gone = set(refused)
+            keep = [i for i in range(len(samples)) if i not in gone]
+            admitted = [samples[i] for i in keep]
+            embs = [embeddings[i] for i in keep]
+            signed = [signed[i] for i in keep]
+        if not states:
             return
-        forecasts = self.forecaster.step(
-            [st.forecaster_state for st, _, _, _ in batch],
-            [s for _, s, _, _ in batch],
-            [e for _, _, e, _ in batch],
-        )
-        for (st, sample, _, attested), fc in zip(batch, forecasts, strict=True):
+        forecasts, hot, risks, ttos = self._step(states, admitted, embs)
+        out = result.forecasts
+        horizon = self.horizon_s
+        for i, (st, sample, fc, attested, fires) in enumerate(
+            zip(states, admitted, forecasts, signed, hot, strict=True)
+        ):
             if st.phases is not None:  # only a domain whose job announced a schedule
-                fc = phase_step(st, sample, fc)
-            self._record(st, sample, fc, now)
-            episodes = st.episodes
-            for rule, matched in zip(self.rules, self._matches(st, sample), strict=True):
-                ep = episodes.get(rule.name)
-                if ep is None:
-                    ep = episodes[rule.name] = Episode()
-                if not matched or (not ep.firing and not ep.above and not rule.fires(fc)):
-                    continue  # nothing can change: a quiet episode stays quiet
+                merged = phase_step(st, sample, fc)
+                if merged is not fc:
+                    fc, fires = merged, True  # the rules judge the merged forecast
+                    risks[i], ttos[i] = fc.risk_at(horizon), fc.time_to_oom_s
+            st.forecast = fc
+            st.samples_seen += 1
+            st.last_seen_wall = now
+            if sample.job is not None:
+                st.job = sample.job
+            if st.first is None:
+                st.first = sample
+            st.history.append(sample.ts, sample.used_bytes, sample.total_bytes, risks[i], ttos[i])
+            if fires or not st.quiet:
+                self._run_rules(st, sample, fc, attested, now, result)
+            out.append((st, fc))
+
+    def _step(
+        self, states: list[DomainState], samples: list[Sample], embs: list[Embedding]
+    ) -> tuple[list[Forecast], list[bool], list[float], list[float | None]]:
+        """One forecaster call for the round: the forecasts; per forecast whether any rule's
+        bar is crossed by it (judged on the whole batch at once where the forecaster gives
+        its arrays: a domain whose rules are all quiet needs nothing more from them); and
+        per forecast the risk at ``horizon_s`` and the time to OOM, for the history."""
+        slots = [st.forecaster_state for st in states]
+        step_arrays = getattr(self.forecaster, "step_arrays", None)
+        horizon = self.horizon_s
+        columns = {h: i for i, h in enumerate(self.forecaster.horizons_s)}
+        if step_arrays is None or horizon not in columns:
+            forecasts = self.forecaster.step(slots, samples, embs)
+            return (
+                forecasts,
+                [any(r.fires(fc) for r in self.rules) for fc in forecasts],
+                [fc.risk_at(horizon) for fc in forecasts],
+                [fc.time_to_oom_s for fc in forecasts],
+            )
+        forecasts, risk, ttos = step_arrays(slots, samples, embs)
+        hot = np.zeros(len(forecasts), dtype=bool)
+        tto: np.ndarray | None = None
+        for rule in self.rules:
+            if rule.fire_tto_s is not None:
+                if tto is None:
+                    tto = np.array([math.inf if t is None else t for t in ttos])
+                hot |= tto <= rule.fire_tto_s
+            elif rule.horizon_s in columns and rule.fire_risk is not None:
+                hot |= risk[:, columns[rule.horizon_s]] >= rule.fire_risk
+            else:  # a horizon the arrays do not hold: judged one by one
+                hot |= np.fromiter((rule.fires(fc) for fc in forecasts), bool, len(forecasts))
+        return forecasts, hot.tolist(), risk[:, columns[horizon]].tolist(), list(ttos)
+
+    def _run_rules(
+        self,
+        st: DomainState,
+        sample: Sample,
+        fc: Forecast,
+        attested: bool,
+        now: float,
+        result: Applied,
+    ) -> None:
+        """Every rule matching the domain, on its forecast; notes whether all are quiet."""
+        episodes = st.episodes
+        quiet = True
+        for rule, matched in zip(self.rules, self._matches(st, sample), strict=True):
+            ep = episodes.get(rule.name)
+            if ep is None:
+                ep = episodes[rule.name] = Episode()
+            if matched and (ep.firing or ep.above or rule.fires(fc)):
                 alert = advance(ep, rule, sample, fc, st.job, now)
                 if alert is not None:
                     refused = self.why_unattested(st, attested, now)
                     if refused is not None:
                         alert = replace(alert, unattested=refused)
                     result.alerts.append(explained(alert, st))
-            result.forecasts.append((st, fc))
+            if ep.firing or ep.above:
+                quiet = False
+        st.quiet = quiet
 
     def _matches(self, st: DomainState, sample: Sample) -> tuple[bool, ...]:
         """Which rules apply to the domain, for its kind and job: matched once per change of

@@ -20,10 +20,11 @@ whose family has a scheduled phase (``eval_no_grad``: evals; ``checkpoint_spike`
 ``schedule`` event at its start (docs/phases.md): eval and checkpoint periods in steps, the
 nominal ``step_s``, and the phases' extra bytes as the hook knows them: for a share of the
 jobs (``announce_share``) the figures a preflight run would announce (the allocated bytes
-the phase needs above the level before it), for the others none; then, after each
-occurrence that needs more than the figure so far, the figure the hook measured (its peak
-less the higher of the level before and after it). ``neighbour`` jobs announce nothing: the
-arrival of another process on the GPU is not the job's to know.
+the phase needs above the level before it, and the first optimizer step's absolute peak),
+for the others none; then, after each occurrence that needs more than the figure so far,
+the figure the CUDA hook measured (the allocator's allocated peak over the phase less the
+allocated bytes before it). ``neighbour`` jobs announce nothing: the arrival of another
+process on the GPU is not the job's to know.
 """
 
 from __future__ import annotations
@@ -172,6 +173,11 @@ class _Point:
     retries: int
     step: int = 0  # training steps completed at this point
     phase: str = "other"  # the phase that ends here
+    peak_allocated: int = -1  # the allocator's allocated peak since the previous point
+
+    def __post_init__(self) -> None:
+        if self.peak_allocated < self.allocated:
+            self.peak_allocated = self.allocated
 
 
 class _Run:
@@ -198,13 +204,14 @@ class _Run:
         self.node, self.device = node, device
         self.job = f"{p.capture}-{p.family}-{p.seed}"
         self.points: list[_Point] = []
-        self.memo: dict[tuple[Any, int, int], list[tuple[float, int, int, str]]] = {}
+        self.memo: dict[tuple[Any, int, int], list[tuple[float, int, int, str, int]]] = {}
         self._compiled_cache: dict[tuple[int, float], list[tuple[bool, int, int, str]]] = {}
         self.dirty = False
         self.steps_done = 0  # training steps completed (the hook's ``step``)
         self.current = "other"  # the phase running now (the one an OOM happens in)
         # (time, bytes held outside the allocator from then on): context, NCCL, neighbours
         self.outside_events: list[tuple[float, int]] = [(0.0, self.outside)]
+        self.peak_reserved = 0  # over the run (the allocator's peaks are reset at each point)
 
     def set_outside(self, nccl: int | None = None, neighbour: int | None = None) -> None:
         if nccl is not None:
@@ -229,6 +236,8 @@ class _Run:
         return self.outside + self.nccl + self.neighbour + reserved
 
     def mark(self, phase: str = "other") -> None:
+        """A point: the allocator's state now, and its allocated peak since the previous
+        point (then reset, as the hook resets it at each sample)."""
         s = self.alloc.stats()
         self.points.append(
             _Point(
@@ -238,8 +247,11 @@ class _Run:
                 s.num_alloc_retries,
                 self.steps_done,
                 phase,
+                s.peak_allocated_bytes,
             )
         )
+        self.peak_reserved = max(self.peak_reserved, s.peak_reserved_bytes)
+        self.alloc.reset_peak_stats()
 
     def apply(self, op: Op, factor: float = 1.0) -> None:
         if op.alloc:
@@ -301,18 +313,18 @@ class _Run:
                 t0 = self.t
                 retries = self.alloc.stats().num_alloc_retries
                 last = len(cached) - 1
-                for j, (frac, allocated, reserved, phase) in enumerate(cached):
+                for j, (frac, allocated, reserved, phase, peak) in enumerate(cached):
                     self.t = t0 + frac * seconds
                     if j == last and train:
                         self.steps_done += 1
                     self.points.append(
-                        _Point(self.t, allocated, reserved, retries, self.steps_done, phase)
+                        _Point(self.t, allocated, reserved, retries, self.steps_done, phase, peak)
                     )
                 return
         self.dirty = False
         t0 = self.t
         retries_before = self.alloc.stats().num_alloc_retries
-        marks: list[tuple[float, int, int, str]] = []
+        marks: list[tuple[float, int, int, str, int]] = []
         done = 0.0
         compiled = self._compiled(ops, factor)
         phase = compiled[0][3] if compiled else "forward"
@@ -324,7 +336,7 @@ class _Run:
                 self.t = t0 + done * seconds
                 self.mark(label or phase)
                 pt = self.points[-1]
-                marks.append((done, pt.allocated, pt.reserved, pt.phase))
+                marks.append((done, pt.allocated, pt.reserved, pt.phase, pt.peak_allocated))
                 phase = op_phase
                 self.current = label or phase
             if is_alloc:
@@ -338,7 +350,7 @@ class _Run:
             self.steps_done += 1
         self.mark(label or phase)
         pt = self.points[-1]
-        marks.append((1.0, pt.allocated, pt.reserved, pt.phase))
+        marks.append((1.0, pt.allocated, pt.reserved, pt.phase, pt.peak_allocated))
         # Only a step that needed no retry may be skipped later: a skipped step adds none.
         if (
             key is not None
@@ -361,28 +373,45 @@ def _kind_ops(log: AllocationLog, kind: str) -> list[Op] | None:
     return None
 
 
-def _sample_points(run: _Run, p: ScenarioParams, oom_t: float | None) -> list[Record]:
-    """NVML-like samples every ``interval_s`` from the state points of the run."""
+def _sample_points(
+    run: _Run, p: ScenarioParams, oom_t: float | None
+) -> tuple[list[Record], list[tuple[int, int] | None]]:
+    """NVML-like samples every ``interval_s`` from the state points of the run; and, for
+    each sample taken in (or at the end of) a scheduled phase, what the CUDA hook reads of
+    that phase's occurrence: the allocated bytes before it began and the allocator's
+    allocated peak since (None for the other samples)."""
     records: list[Record] = []
+    hook_view: list[tuple[int, int] | None] = []
     pts = run.points
     if not pts:
-        return records
+        return records, hook_view
     end_t = pts[-1].t if oom_t is None else oom_t
     t = 0.0
     i = 0
     peak_used = 0
+    occurrence = (pts[0].allocated, pts[0].allocated)  # (level before, allocated peak)
     noise = random.Random(f"noise:{p.family}:{p.seed}")
     while t <= end_t + 1e-9:
         # every point up to t contributes to the peak since the previous sample; a sample
         # whose span saw a scheduled phase end is tagged with it (its peak covers it)
         # with the step it ran at, as the hook's sample at the phase's end
         tag: _Point | None = None
+        seen: tuple[int, int] | None = None
         while i + 1 < len(pts) and pts[i + 1].t <= t:
             i += 1
             peak_used = max(peak_used, run.outside_at(pts[i].t) + pts[i].reserved)
+            if pts[i].phase in SCHEDULED_PHASES:
+                if pts[i - 1].phase != pts[i].phase:  # an occurrence begins
+                    occurrence = (pts[i - 1].allocated, pts[i].peak_allocated)
+                else:
+                    level, high = occurrence
+                    occurrence = (level, max(high, pts[i].peak_allocated))
             if _scheduled_end(pts[i]):
                 tag = pts[i]
+                seen = occurrence
         pt = pts[i]
+        if seen is None and pt.phase in SCHEDULED_PHASES:
+            seen = occurrence
         used = run.outside_at(t) + pt.reserved
         peak_used = max(peak_used, used)
         jitter = int(noise.gauss(0, 2 * MIB))  # NVML also counts small driver allocations
@@ -404,9 +433,10 @@ def _sample_points(run: _Run, p: ScenarioParams, oom_t: float | None) -> list[Re
                 phase=pt.phase if tag is None else tag.phase,
             )
         )
+        hook_view.append(seen)
         peak_used = 0
         t += p.interval_s
-    return records
+    return records, hook_view
 
 
 def _scheduled_end(pt: _Point) -> bool:
@@ -468,12 +498,14 @@ def simulate_scenario(
     except (SimOutOfMemory, NeighbourOutOfMemory):
         oom_t = run.t
         run.mark(run.current)
-    records = _sample_points(run, p, oom_t)
+    records, hook_view = _sample_points(run, p, oom_t)
     announced = _announced(p, announce_share)
     if p.family in SCHEDULED:
         ops = {"first": first_ops, "steady": steady_ops, "eval": eval_ops, "checkpoint": ckpt_ops}
-        figures = _preflight_figures(run, p, ops) if announced else {}
-        records = _with_schedule(records, run, p, eval_every, ckpt_every, figures)
+        figures, peaks = _preflight_figures(run, p, ops, log.persistent) if announced else ({}, {})
+        records = _with_schedule(
+            records, hook_view, run, p, (eval_every, ckpt_every), figures, peaks
+        )
     if oom_t is not None:
         records.append(
             Event(
@@ -490,7 +522,7 @@ def simulate_scenario(
         "oom_after_s": None if oom_t is None else round(oom_t, 3),
         "samples": sum(1 for rec in records if isinstance(rec, Sample)),
         "scale": round(run.scale, 3),
-        "peak_reserved_gib": round(stats.peak_reserved_bytes / GIB, 3),
+        "peak_reserved_gib": round(max(run.peak_reserved, stats.peak_reserved_bytes) / GIB, 3),
         "num_alloc_retries": stats.num_alloc_retries,
         "schedule": p.family in SCHEDULED,
         "announced": p.family in SCHEDULED and announced,
@@ -527,12 +559,18 @@ def _peak_above(ops: list[Op], scale: float, factor: float = 1.0) -> int:
     return peak
 
 
-def _preflight_figures(run: _Run, p: ScenarioParams, ops: dict[str, list[Op]]) -> dict[str, int]:
-    """The extra bytes a preflight run would announce for the job's phases: for the first
-    optimizer step, the most the first train steps need above the loaded weights (the
-    first step creates the optimizer state, the next needs its activations beside it);
-    one eval (its first: its batches' activations held together); one checkpoint."""
-    figures = {"optimizer": _peak_above(ops["first"] + ops["steady"], run.scale)}
+def _preflight_figures(
+    run: _Run, p: ScenarioParams, ops: dict[str, list[Op]], weights: list[Op]
+) -> tuple[dict[str, int], dict[str, int]]:
+    """What a preflight run would announce for the job's phases: the extra bytes (for the
+    first optimizer step, the most the first train steps need above the loaded weights:
+    the first step creates the optimizer state, the next needs its activations beside it;
+    one eval, its first: its batches' activations held together; one checkpoint), and the
+    first optimizer step's absolute peak (the loaded weights and the first steps together):
+    allocated bytes, all of them."""
+    first_steps = ops["first"] + ops["steady"]
+    figures = {"optimizer": _peak_above(first_steps, run.scale)}
+    peaks = {"optimizer": _peak_above(weights + first_steps, run.scale)}
     phases = SCHEDULED[p.family]
     if "eval" in phases:
         keep = max(1, int(p.extra.get("eval_batches", 1) * p.extra.get("eval_growth", 1.0)))
@@ -540,26 +578,31 @@ def _preflight_figures(run: _Run, p: ScenarioParams, ops: dict[str, list[Op]]) -
         figures["eval"] = keep * per_batch
     if "checkpoint" in phases:
         figures["checkpoint"] = _peak_above(ops["checkpoint"], run.scale)
-    return figures
+    return figures, peaks
 
 
 def _with_schedule(
     records: list[Record],
+    hook_view: list[tuple[int, int] | None],
     run: _Run,
     p: ScenarioParams,
-    eval_every: int | None,
-    ckpt_every: int | None,
+    periods: tuple[int | None, int | None],
     announced: dict[str, int],
+    announced_peaks: dict[str, int],
 ) -> list[Record]:
     """The samples with the hook's ``schedule`` events among them: one with the first
-    sample (the periods, the nominal step time, the announced figures), and one after each
-    sample that ends a phase which measured more than the figure so far (or for the first
-    time). The measure is the hook's (collectors/hook_phases.py): the tagged sample's peak
-    less the higher of the level before the phase and the tagged sample's own use."""
+    sample (the periods, the nominal step time, the announced figures and peaks), and one
+    after each sample that ends a phase which measured more than the figure so far (or for
+    the first time). The measure is the CUDA hook's (collectors/hook_phases.py), in
+    allocation terms: the allocator's allocated peak over the phase less the allocated
+    bytes before it (``hook_view``, one entry per sample, from :func:`_sample_points`). A
+    phase that has run no longer has an announced peak."""
     samples = [rec for rec in records if isinstance(rec, Sample)]
     if not samples:
         return records
+    eval_every, ckpt_every = periods
     figures = dict(announced)
+    peaks = dict(announced_peaks)
     measured: list[str] = []
 
     def event(ts: float) -> ScheduleEvent:
@@ -574,22 +617,21 @@ def _with_schedule(
             step_s=p.step_s,
             phase_extra_bytes=dict(figures),
             measured=tuple(measured),
+            phase_peak_bytes=dict(peaks),
         )
 
     out: list[Record] = [event(samples[0].ts)]
-    level: int | None = None
-    for s in samples:
+    for s, seen in zip(samples, hook_view, strict=True):
         out.append(s)
-        if s.phase not in SCHEDULED_PHASES:
-            level = s.used_bytes
-        elif _measures(s, measured) and level is not None:
+        if s.phase in SCHEDULED_PHASES and seen is not None and _measures(s, measured):
             phase = str(s.phase)
-            high = s.used_bytes if s.peak_bytes is None else s.peak_bytes
-            extra = max(0, high - max(level, s.used_bytes))
+            level, high = seen
+            extra = max(0, high - level)
             if phase not in measured or extra > figures.get(phase, 0):
                 figures[phase] = extra
                 if phase not in measured:
                     measured.append(phase)
+                peaks.pop(phase, None)
                 out.append(event(s.ts))
     return out
 

@@ -188,3 +188,66 @@ def test_an_unknown_phase_is_refused(make_hook: Callable[..., MemoryHook]) -> No
     hook = make_hook(mode="host")
     with pytest.raises(ValueError, match="phase='training'"):
         hook.begin_phase("training")
+
+
+def test_on_cuda_a_phase_is_measured_from_the_allocators_allocated_peak(
+    fake_cuda: FakeCuda,  # noqa: F811
+    make_hook: Callable[..., MemoryHook],
+    rclient: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A checkpoint served from the allocator's cached blocks does not raise the
+    reservation (its used-terms measure was 0), but its allocated peak shows what it
+    needs: 8 GiB above the 30 GiB allocated before it."""
+    torch = pytest.importorskip("torch")
+    stats = fake_cuda.stats
+    stats["allocated_bytes.all.peak"] = stats["allocated_bytes.all.current"]
+
+    def reset(device: int) -> None:  # torch resets both peaks
+        stats["reserved_bytes.all.peak"] = stats["reserved_bytes.all.current"]
+        stats["allocated_bytes.all.peak"] = stats["allocated_bytes.all.current"]
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    hook = make_hook("gpu-job")
+    hook.step(99)
+    hook.begin_phase("checkpoint")  # 30 GiB allocated of 40 reserved
+    stats["allocated_bytes.all.peak"] = 38 * GIB  # from the cached blocks: no new reservation
+    hook.end_phase()
+    # an eval with a sample inside it: the peak over the whole phase counts
+    hook.begin_phase("eval")
+    stats["allocated_bytes.all.peak"] = 36 * GIB
+    hook.step(100)
+    stats["allocated_bytes.all.peak"] = 33 * GIB
+    hook.end_phase()
+    assert hook.phase_extra_bytes == {"checkpoint": 8 * GIB, "eval": 6 * GIB}
+    hook.set_schedule(checkpoint_every_steps=100)
+    assert hook.close()
+    [only] = schedules(rclient, hook)
+    assert dict(only.phase_extra_bytes) == {"checkpoint": 8 * GIB, "eval": 6 * GIB}
+    assert only.measured == ("eval", "checkpoint")
+    got = samples(rclient, hook)
+    assert all(s.allocated_bytes == 30 * GIB for s in got)  # the peak is not a sample field
+
+
+def test_an_announced_absolute_peak_is_sent_until_its_phase_runs(
+    make_hook: Callable[..., MemoryHook], rclient: redis.Redis
+) -> None:
+    hook = make_hook(mode="host")
+    with pytest.raises(SchemaError) as err:
+        hook.set_phase_extra_bytes({}, phase_peak_bytes={"forward": GIB})
+    assert err.value.field == "phase_peak_bytes.forward"
+    hook.set_schedule(step_s=1.0)
+    hook.set_phase_extra_bytes({}, phase_peak_bytes={"optimizer": 90 * GIB})
+    hook.set_phase_extra_bytes({"optimizer": 60 * GIB}, phase_peak_bytes={"eval": 70 * GIB})
+    assert hook.phase_peak_bytes == {"optimizer": 90 * GIB, "eval": 70 * GIB}
+    with hook.phase("optimizer"):
+        pass
+    assert hook.phase_peak_bytes == {"eval": 70 * GIB}  # spent: the step has run
+    hook.set_phase_extra_bytes({}, phase_peak_bytes={"optimizer": 95 * GIB})  # too late
+    assert hook.phase_peak_bytes == {"eval": 70 * GIB}
+    assert hook.close()
+    sent = schedules(rclient, hook)
+    assert dict(sent[0].phase_peak_bytes) == {}
+    assert dict(sent[1].phase_peak_bytes) == {"optimizer": 90 * GIB}
+    assert dict(sent[2].phase_peak_bytes) == {"optimizer": 90 * GIB, "eval": 70 * GIB}
+    assert dict(sent[-1].phase_peak_bytes) == {"eval": 70 * GIB}

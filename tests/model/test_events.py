@@ -53,6 +53,10 @@ def test_optional_keys_may_be_left_out_and_unknown_ones_are_ignored() -> None:
         ({"phase_extra_bytes": {"eval": -1}}, "phase_extra_bytes.eval"),
         ({"phase_extra_bytes": {"eval": 1.5}}, "phase_extra_bytes.eval"),
         ({"phase_extra_bytes": {"eval": 1 << 64}}, "phase_extra_bytes.eval"),
+        ({"phase_peak_bytes": [1]}, "phase_peak_bytes"),
+        ({"phase_peak_bytes": {"forward": 1}}, "phase_peak_bytes.forward"),
+        ({"phase_peak_bytes": {"optimizer": -1}}, "phase_peak_bytes.optimizer"),
+        ({"phase_peak_bytes": {"optimizer": 2.5}}, "phase_peak_bytes.optimizer"),
         ({"measured": "eval"}, "measured"),
         ({"measured": ["eval", "forward"]}, "measured"),
         ({"ts": -1}, "ts"),
@@ -64,6 +68,16 @@ def test_a_bad_schedule_is_refused_naming_the_field(over: dict[str, Any], field:
     with pytest.raises(SchemaError) as err:
         parse_schedule(schedule(**over))
     assert err.value.field == field
+
+
+def test_an_announced_absolute_peak_is_read_and_written_back_and_may_be_left_out() -> None:
+    ev = parse_schedule(schedule(phase_peak_bytes={"optimizer": 90 << 30}))
+    assert dict(ev.phase_peak_bytes) == {"optimizer": 90 << 30}
+    assert ev.to_dict() == schedule(phase_peak_bytes={"optimizer": 90 << 30})
+    assert ev.to_detailed().to_dict() == ev.to_dict()
+    plain = parse_schedule(schedule())  # absent (or null): none, and none written
+    assert plain.phase_peak_bytes == {} and "phase_peak_bytes" not in plain.to_dict()
+    assert parse_schedule(schedule(phase_peak_bytes=None)).phase_peak_bytes == {}
 
 
 def test_the_extra_bytes_are_required() -> None:

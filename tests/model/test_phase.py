@@ -214,3 +214,162 @@ def test_the_state_survives_a_round_trip_and_refuses_a_damaged_one() -> None:
     ):
         with pytest.raises(ValueError):
             PhaseState.from_dict(state.to_dict() | damage)
+
+
+# --- allocation terms: the caching allocator's cached blocks are room --------------------------
+
+OUTSIDE = GIB  # the CUDA context and libraries: used - reserved
+USABLE = TOTAL - int(MARGIN_FRAC * TOTAL)
+
+
+def gpu(step: int, allocated: int, reserved: int, **over: Any) -> Sample:
+    """A CUDA hook's sample: the device's use is what is outside the allocator plus its
+    reservation."""
+    fields = {"allocated_bytes": allocated, "reserved_bytes": reserved}
+    fields |= {"used_bytes": OUTSIDE + reserved} | over
+    return sample(step, **fields)
+
+
+def checkpoint_run(state: PhaseState) -> None:
+    """A checkpoint every 100 steps, announced at 10 GiB (allocated bytes). Before it the
+    allocator holds 60 GiB of 61 reserved; the checkpoint reserves 9 GiB more, and when it
+    ends its blocks stay cached: 60 GiB allocated of 70 reserved."""
+    state.on_schedule(schedule({"checkpoint": 10 * GIB}, checkpoint_every_steps=100))
+    for i in range(101):
+        state.observe(gpu(i, 60 * GIB, 61 * GIB))
+    ended = gpu(100, 60 * GIB, 70 * GIB, phase="checkpoint", peak_bytes=OUTSIDE + 70 * GIB)
+    state.observe(ended)
+
+
+def test_a_checkpoint_served_from_cached_blocks_is_not_forecast() -> None:
+    """After a checkpoint its blocks stay reserved: the device has only 78.4 - 71 GiB free,
+    but the next checkpoint is served from the 10 GiB of cached blocks (17.4 GiB of room in
+    all). In used terms it did not fit and was forecast at every sample: a false alarm."""
+    state = PhaseState()
+    checkpoint_run(state)
+    # the hook measured it from the allocator's peak: 10 GiB above the allocated level
+    state.on_schedule(
+        schedule({"checkpoint": 10 * GIB}, checkpoint_every_steps=100, measured=("checkpoint",))
+    )
+    for i in range(101, 200):
+        s = gpu(i, 60 * GIB, 70 * GIB)
+        state.observe(s)
+        assert USABLE - s.used_bytes < 10 * GIB  # no room in used terms
+        assert state.forecast(s) is None, i
+
+
+def test_a_checkpoint_whose_cached_blocks_a_creep_refilled_is_forecast() -> None:
+    """A slow creep fills the cached blocks the first checkpoint left, then takes fresh
+    memory: the next checkpoint no longer fits and is forecast before it comes. The
+    service does not measure it from the tagged sample (its peak is the reservation's,
+    which did not rise after the first: it read 0 and replaced the announced 10 GiB, so
+    nothing was forecast); the figure stays the announced one until the hook sends its own."""
+    state = PhaseState()
+    checkpoint_run(state)
+    assert state.extra_bytes["checkpoint"] == 10 * GIB and "checkpoint" not in state.measured
+    half = gpu(140, 65 * GIB, 70 * GIB)  # the creep is in the cached blocks: room for 10 GiB
+    state.observe(half)
+    assert state.forecast(half) is None
+    full = gpu(150, 72 * GIB, 72 * GIB)  # they are full, and 2 GiB more were reserved
+    state.observe(full)
+    pf = state.forecast(full)
+    assert pf is not None and pf.phase == "checkpoint" and pf.steps_away == 50
+    assert pf.time_to_oom_s == pytest.approx(50.0)
+    assert pf.extra_bytes == 10 * GIB and pf.headroom_bytes == USABLE - OUTSIDE - 72 * GIB
+    # the hook's figure, measured on the allocator's peak, is taken as it comes
+    state.on_schedule(
+        schedule({"checkpoint": 11 * GIB}, checkpoint_every_steps=100, measured=("checkpoint",))
+    )
+    pf = state.forecast(full)
+    assert pf is not None and pf.extra_bytes == 11 * GIB and pf.measured
+
+
+def test_in_allocation_terms_a_phase_is_judged_from_the_level_between_steps() -> None:
+    """Mid-forward, the allocator holds the step's activations, freed before the checkpoint
+    runs: the checkpoint is judged from the step's first sample (its reservation is the
+    same either way, so in used terms nothing changes)."""
+    state = PhaseState()
+    state.on_schedule(schedule({"checkpoint": 10 * GIB}, checkpoint_every_steps=100, step_s=1.0))
+    state.observe(gpu(40, 60 * GIB, 72 * GIB))  # the step ended: activations freed
+    mid = gpu(40, 70 * GIB, 72 * GIB, ts=T0 + 40.5)  # the next one's forward
+    state.observe(mid)
+    assert state.forecast(mid) is None
+    # a level that does not leave room between steps either is forecast
+    state.observe(gpu(41, 69 * GIB, 72 * GIB))
+    pf = state.forecast(gpu(41, 70 * GIB, 72 * GIB, ts=T0 + 41.5))
+    assert pf is not None and pf.headroom_bytes == USABLE - OUTSIDE - 69 * GIB
+
+
+# --- the first optimizer step's absolute peak, known before the job starts ------------------
+
+
+def loading(state: PhaseState, peak: int, extra: int) -> list[Sample]:
+    """A job that announces its first step's absolute peak and what it needs above the
+    weights (30 GiB: peak - extra), then loads them at 1 GiB/s; 2 GiB outside the
+    allocator. Its samples, one every 5 s, observed."""
+    state.on_schedule(
+        schedule({"optimizer": extra}, step_s=2.0, phase_peak_bytes={"optimizer": peak})
+    )
+    out = []
+    for k, loaded in enumerate((1, 6, 11, 16, 21, 26, 30, 30)):
+        s = gpu(0, loaded * GIB, loaded * GIB, ts=T0 + 5 * k, used_bytes=(2 + loaded) * GIB)
+        state.observe(s)
+        out.append(s)
+    return out
+
+
+def test_an_announced_first_step_peak_above_the_device_is_forecast_from_the_first_sample() -> None:
+    state = PhaseState()
+    samples = loading(state, peak=77 * GIB, extra=47 * GIB)  # 77 + 2 outside > 78.4
+    first = state.forecast(samples[0])
+    assert first is not None and first.phase == "optimizer" and first.cause == "phase:optimizer"
+    assert first.time_to_oom_s == pytest.approx(2.0)  # no load rate yet: one step
+    assert not first.measured and first.extra_bytes > first.headroom_bytes
+    # once the rate shows (1 GiB/s), the rest of the load (19 GiB at 11 loaded), then a step
+    third = state.forecast(samples[2])
+    assert third is not None and third.time_to_oom_s == pytest.approx(19.0 + 2.0)
+    for s in samples:  # at every sample of the load: 30 s ahead of a step that is 45 s away
+        pf = state.forecast(s)
+        assert pf is not None and pf.phase == "optimizer", s
+    merged, cause = merge(calm(), state.forecast(samples[0]))
+    assert cause == "phase:optimizer" and merged.risk[30] == PHASE_RISK
+    # the step ran (it did fit after all): the announced peak is spent
+    ran = gpu(1, 60 * GIB, 70 * GIB, ts=T0 + 45, phase="optimizer")
+    state.observe(ran)
+    assert state.peak_bytes == {} and state.forecast(ran) is None
+    # the snapshot keeps the peak and where the load began
+    again = PhaseState()
+    loading(again, peak=77 * GIB, extra=47 * GIB)
+    back = PhaseState.from_dict(again.to_dict())
+    assert back.peak_bytes == {"optimizer": 77 * GIB} and back.load_start == (T0, GIB)
+    assert back.forecast(samples[2]) == again.forecast(samples[2])
+
+
+def test_an_announced_first_step_peak_that_fits_the_device_is_never_forecast() -> None:
+    state = PhaseState()
+    samples = loading(state, peak=75 * GIB, extra=45 * GIB)  # 75 + 2 outside < 78.4
+    for s in samples:
+        assert state.forecast(s) is None, s
+    step = gpu(0, 74 * GIB, 76 * GIB, ts=T0 + 41, used_bytes=78 * GIB)  # in the step
+    state.observe(step)
+    assert state.forecast(step) is None
+
+
+def test_an_announced_peak_is_dropped_once_its_phase_has_run_or_been_measured() -> None:
+    state = PhaseState()
+    state.on_schedule(schedule({}, step_s=2.0, phase_peak_bytes={"optimizer": TOTAL}))
+    state.on_schedule(
+        schedule({"optimizer": GIB}, measured=("optimizer",), phase_peak_bytes={"optimizer": TOTAL})
+    )
+    assert state.peak_bytes == {}
+    first = sample(0)
+    state.observe(first)
+    assert state.forecast(first) is None
+
+
+@pytest.mark.parametrize(
+    "damage", [{"peak_bytes": {"forward": 1}}, {"load_start": [1.0]}, {"load_start": [1.0, -2]}]
+)
+def test_a_damaged_peak_or_load_in_a_snapshot_is_refused(damage: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        PhaseState.from_dict(PhaseState().to_dict() | damage)

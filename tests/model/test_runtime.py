@@ -319,3 +319,31 @@ def test_the_last_forecast_of_a_window_in_two_calls_is_the_stepped_one(spacing_s
 def test_window_last_refuses_an_empty_window() -> None:
     with pytest.raises(ValueError, match="at least one"):
         OnnxForecaster().window_last([])
+
+
+def test_step_arrays_are_the_forecasts_and_any_unusable_embedding_is_computed_here() -> None:
+    """``step_arrays`` (the live state's batch judgement reads it) gives, beside the
+    forecasts, their risks in ``horizons_s`` order and their times to OOM; and a batch whose
+    node embeddings include a missing or a short one forecasts exactly as the same batch
+    with those rows computed here (the rest taken as sent)."""
+    from oomcast.model.runtime import DEFAULT_MODEL
+
+    domains = [stream(f"gpu{i}", 2.0, 30.0, phase=i) for i in range(4)]
+    rows = list(zip(*domains, strict=True))
+    ref, got = OnnxForecaster(DEFAULT_MODEL), OnnxForecaster(DEFAULT_MODEL)
+    ref_states = [ref.init_state() for _ in domains]
+    states = [got.init_state() for _ in domains]
+    node_side = [EmbeddingState() for _ in domains]
+    for k, row in enumerate(rows):
+        # the slots' own embedding state, as the node's was before this sample
+        for st, e in zip(states, node_side, strict=True):
+            st.emb = EmbeddingState.from_dict(e.to_dict())
+        embs: list[list[float] | None] = [e.embed(s) for e, s in zip(node_side, row, strict=True)]
+        expected = ref.step(ref_states, list(row), embs)
+        if k % 3 == 1:  # the node sent none for gpu1 and a short one for gpu2
+            embs[1] = None
+            embs[2] = embs[2][:-1]  # type: ignore[index]
+        forecasts, risk, ttos = got.step_arrays(states, list(row), embs)
+        assert outputs(got, forecasts)[0] == pytest.approx(outputs(ref, expected)[0], abs=1e-6)
+        np.testing.assert_array_equal(risk, outputs(got, forecasts)[0].astype(np.float32))
+        assert ttos == [f.time_to_oom_s for f in forecasts]

@@ -128,6 +128,26 @@ def test_a_script_that_never_submits_is_an_error(
     assert rc == 2 and "no such script" in capsys.readouterr().err
 
 
+def test_a_failing_script_or_missing_module_is_a_usage_error_not_an_oom_verdict(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit status 1 means "would OOM": a launcher that gates on it must not read a typo in
+    ``-m MODULE``, or a script that crashes before ``submit``, as a verdict (both exited 1
+    with a raw traceback). Errors name the subcommand, not ``oomcast []``."""
+    rc = main(["preflight", "--gpu", "T4", "--", "python", "-m", "no_such_pkg_here.train"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("oomcast preflight: error: -m no_such_pkg_here.train: no such module")
+    assert "PYTHONPATH" in err
+    script = tmp_path / "crash.py"
+    script.write_text("raise KeyError('batch_size')\n")
+    rc = main(["preflight", "--gpu", "T4", "--", "python", str(script)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "oomcast preflight: error: the script failed before calling" in err
+    assert "KeyError: 'batch_size'" in err and "Traceback" in err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -1,15 +1,22 @@
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
+from oomcast.model.events import ScheduleEvent
+from oomcast.model.phase import PhaseState
 from oomcast.model.schema import Event, Sample
 from oomcast.model.trace import load_trace, write_trace
 from oomcast.training.scenarios import (
     FAMILIES,
     OOM_FAMILIES,
     SAFE_FAMILIES,
+    _Point,
+    _sample_points,
+    _with_schedule,
     draw_params,
     simulate_scenario,
 )
@@ -93,3 +100,71 @@ def test_nccl_buffers_and_a_neighbour_show_in_nvml_but_not_in_the_allocator(
     assert abs(outside[0] - base) < 16 << 20
     assert max(outside) >= base + (params.nccl_mib << 20) + (1 << 30)  # the neighbour arrived
     assert any(isinstance(r, Event) for r in records) or max(outside) < samples[0].total_bytes
+
+
+GIB = 1 << 30
+
+
+class _FakeRun:
+    """What the sampler and the hook view read of a run: its points and its device."""
+
+    total = 80 * GIB
+    node, device, job, start_ts = "sim-node", "gpu0", "j", 1_700_000_000.0
+
+    def __init__(self, points: list[_Point]) -> None:
+        self.points = points
+
+    def outside_at(self, t: float) -> int:
+        return GIB
+
+
+def test_the_simulated_hook_measures_a_phase_from_the_allocators_allocated_peak() -> None:
+    """A checkpoint served from cached blocks leaves the reservation where it was: in used
+    terms it measured 0, and a creep that then filled the cached blocks made the next
+    checkpoint an OOM no figure announced. The hook's measure in allocation terms is the
+    copy's 10 GiB, and with it the phase forecaster sees the next checkpoint not fitting
+    once the creep has filled the cache, before it comes."""
+    pts = [_Point(0.0, 60 * GIB, 72 * GIB, 0, 0, "other")]
+    for step in range(1, 9):
+        creep = max(0, step - 2) * 3 * GIB  # fills the 12 GiB cached from step 3 on
+        allocated = 60 * GIB + creep
+        reserved = max(72 * GIB, allocated)
+        pts.append(_Point(step - 0.5, allocated + GIB, reserved, 0, step - 1, "forward"))
+        pts.append(_Point(float(step), allocated, reserved, 0, step, "optimizer"))
+        if step == 2:  # the checkpoint: a 10 GiB copy, from the cached blocks
+            pts.append(_Point(2.4, allocated, reserved, 0, 2, "checkpoint", allocated + 10 * GIB))
+    params = replace(draw_params("spikes", 0), interval_s=0.25, step_s=1.0)
+    run = _FakeRun(pts)
+    records, view = _sample_points(cast(Any, run), params, None)
+    out = _with_schedule(records, view, cast(Any, run), params, (None, 6), {}, {})
+    events = [r for r in out if isinstance(r, ScheduleEvent)]
+    measured = [e for e in events if "checkpoint" in e.measured]
+    assert measured and measured[0].phase_extra_bytes["checkpoint"] == 10 * GIB
+    state = PhaseState()
+    forecasts = []
+    for r in out:
+        if isinstance(r, ScheduleEvent):
+            state.on_schedule(r)
+        elif isinstance(r, Sample):
+            state.observe(r)
+            pf = state.forecast(r)
+            forecasts.append((r.step, None if pf is None else pf.phase))
+    # served from cache at steps 2 to 4; no room once the creep has filled it (step 5 on)
+    assert all(phase is None for step, phase in forecasts if step is not None and step < 5)
+    assert "checkpoint" in {phase for step, phase in forecasts if step == 5}, forecasts
+
+
+def test_an_announced_job_announces_its_first_steps_absolute_peak(cache: Path) -> None:
+    params = draw_params("optimizer_state", 1)
+    records, summary = simulate_scenario(params, cache, announce_share=1.0)
+    first = next(r for r in records if isinstance(r, ScheduleEvent))
+    assert summary["announced"]
+    peak, extra = first.phase_peak_bytes["optimizer"], first.phase_extra_bytes["optimizer"]
+    # absolute: the loaded weights and the first steps' extra, less what those steps free
+    # of the loaded storages before their peak
+    samples = [r for r in records if isinstance(r, Sample)]
+    loaded = max(s.allocated_bytes or 0 for s in samples if s.step == 0 and s.phase == "other")
+    assert loaded < peak <= loaded + extra + (64 << 20)
+    assert peak - extra > loaded // 2
+    bare, _ = simulate_scenario(params, cache, announce_share=0.0)
+    assert all(r.phase_peak_bytes == {} for r in bare if isinstance(r, ScheduleEvent))

@@ -38,7 +38,13 @@ class PhaseOutlook(BaseModel):
     in_s: float = Field(..., description="seconds until it runs, at the job's step rate")
     steps_away: int
     extra_bytes: int = Field(..., description="what the phase needs above the current use")
-    headroom_bytes: int = Field(..., description="total less use, less the 2% margin")
+    headroom_bytes: int = Field(
+        ...,
+        description=(
+            "room for the phase, less the 2% margin: total less use, or, where the hook"
+            " reports the allocator's figures, total less use plus its cached free bytes"
+        ),
+    )
     measured: bool = Field(..., description="extra_bytes was measured, not announced")
 
 

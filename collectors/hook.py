@@ -114,6 +114,11 @@ log = logging.getLogger(__name__)
 _LIVE: weakref.WeakSet[MemoryHook] = weakref.WeakSet()
 
 
+def live_hooks() -> list[MemoryHook]:
+    """The hooks of this process that are running (not closed, not a fork's copy)."""
+    return [h for h in list(_LIVE) if not h._off]
+
+
 def _after_fork_in_child() -> None:
     # The thread did not survive the fork and the domain is the parent's: go quiet.
     for hook in list(_LIVE):

@@ -174,6 +174,57 @@ def _target(gpu: str | None, capacity_bytes: int | None, context_bytes: int) -> 
     return {"capacity_bytes": total - context_bytes}
 
 
+ANNOUNCED_PHASES = ("eval", "checkpoint", "optimizer")
+
+
+def phase_figures(report: PreflightReport) -> tuple[dict[str, int], dict[str, int]]:
+    """What a preflight run tells the in-job hook (docs/phases.md), in allocated bytes: the
+    extra of an eval or a checkpoint (its first occurrence's peak above the allocated level
+    just before it); for the first optimizer step, the most step 0 needs above the level it
+    started from (the loaded weights: the service judges it from the start of the step), and
+    its absolute peak (weights, gradients, optimizer state and activations at once). A phase
+    the replay never reached (it stopped at an OOM before) has no figure."""
+    replay = report.replay
+    first: dict[str, int] = {}  # phase -> index into replay.phases of its first occurrence
+    for i, p in enumerate(replay.phases):
+        if p.phase in ANNOUNCED_PHASES and p.phase not in first:
+            first[p.phase] = i
+    level_before: dict[int, int] = {}
+    prev = 0
+    for allocated, _, i in replay.timeline:
+        level_before.setdefault(i, prev)
+        prev = allocated
+    extra: dict[str, int] = {}
+    for phase, i in first.items():
+        if phase != "optimizer" and i in level_before:
+            extra[phase] = max(0, replay.phases[i].peak_allocated_bytes - level_before[i])
+    peaks: dict[str, int] = {}
+    step0 = [i for i, p in enumerate(replay.phases) if p.step == 0]
+    if "optimizer" in first and first["optimizer"] in level_before and step0[0] in level_before:
+        peak = max(replay.phases[i].peak_allocated_bytes for i in step0)
+        extra["optimizer"] = max(0, peak - level_before[step0[0]])
+        peaks["optimizer"] = peak
+    return extra, peaks
+
+
+def announce_to_hooks(report: PreflightReport) -> int:
+    """Hand the report's phase figures to every live oomcast hook of this process (the
+    framework callbacks' own, or one the user made): the service then forecasts a phase
+    that will not fit before it first runs. Returns how many hooks were told."""
+    try:
+        from oomcast.collectors.hook import live_hooks
+    except ImportError:  # the collector extra is not installed: nobody to tell
+        return 0
+    extra, peaks = phase_figures(report)
+    if not extra:
+        return 0
+    told = 0
+    for hook in live_hooks():
+        hook.set_phase_extra_bytes(extra, phase_peak_bytes=peaks)
+        told += 1
+    return told
+
+
 class _PreflightAtStart:
     """What both callbacks share: the target, the options, the check and the decision."""
 
@@ -188,6 +239,7 @@ class _PreflightAtStart:
         remedies: bool = True,
         context_bytes: int = CONTEXT_ALLOWANCE_BYTES,
         name: str | None = None,
+        announce: bool = True,
     ) -> None:
         super().__init__()
         if on_oom not in ("stop", "warn"):
@@ -197,6 +249,7 @@ class _PreflightAtStart:
         self.gpu, self.capacity_bytes, self.context_bytes = gpu, capacity_bytes, context_bytes
         self.alloc_conf = alloc_conf
         self.on_oom, self.steps, self.remedies, self.name = on_oom, steps, remedies, name
+        self.announce = announce  # hand the phase figures to the process's oomcast hooks
         self.report: PreflightReport | None = None
 
     def check(self, make_job: Callable[[], PreflightJob]) -> PreflightReport:
@@ -215,6 +268,8 @@ class _PreflightAtStart:
         )
         self.report = report
         print(report.text(), file=sys.stderr, flush=True)
+        if self.announce:
+            announce_to_hooks(report)
         if not report.fits and self.on_oom == "stop":
             raise PreflightOOM(report)
         return report

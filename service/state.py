@@ -114,6 +114,16 @@ def _seen_before(st: DomainState, sample: Sample) -> bool:
     return st.history.seen(sample.ts, sample.used_bytes)
 
 
+def _took(st: DomainState, sample: Sample, attested: bool, now: float) -> None:
+    """The domain took ``sample`` as its newest (and who vouched for it, when)."""
+    st.last = sample
+    st.behind = 0
+    if attested:
+        st.attested_at = now
+    else:
+        st.unattested_at = now
+
+
 class Rejected(NamedTuple):
     """A sample refused by the live state; ``code`` is one of ingest's REJECT_CODES."""
 
@@ -274,12 +284,7 @@ class LiveState:
             reason = f"job {sample.job} replaced {st.job}"
             result.alerts.extend(self._end_episodes(st, reason, now=now, new_job=True, job=st.job))
             forget_job(st, sample.job)
-        st.last = sample
-        st.behind = 0
-        if attested:
-            st.attested_at = now
-        else:
-            st.unattested_at = now
+        _took(st, sample, attested, now)
         return st
 
     def _resync(self, st: DomainState, sample: Sample, now: float, result: Applied) -> bool:
@@ -375,12 +380,7 @@ class LiveState:
             ):
                 # the usual sample: the domain's next one, of the same job, signed as its
                 # others were; _admit's checks all pass and its updates are these
-                st.last = sample
-                st.behind = 0
-                if attested:
-                    st.attested_at = now
-                else:
-                    st.unattested_at = now
+                _took(st, sample, attested, now)
             else:
                 st = self._admit(sample, attested, now, result)
                 if st is None:
@@ -487,22 +487,6 @@ class LiveState:
             st.rule_key = key
             st.rule_matches = tuple(r.match.matches(sample, st.job) for r in self.rules)
         return st.rule_matches
-
-    def _record(self, st: DomainState, sample: Sample, fc: Forecast, now: float) -> None:
-        st.forecast = fc
-        st.samples_seen += 1
-        st.last_seen_wall = now
-        if sample.job is not None:
-            st.job = sample.job
-        if st.first is None:
-            st.first = sample
-        st.history.append(
-            sample.ts,
-            sample.used_bytes,
-            sample.total_bytes,
-            fc.risk_at(self.horizon_s),
-            fc.time_to_oom_s,
-        )
 
     def on_event(self, event: Event, now: float) -> list[Alert]:
         """Record an event; an OOM ends the domain's episodes and restarts its forecaster; a

@@ -243,3 +243,56 @@ def test_lightning_an_oom_verdict_stops_the_fit_before_its_first_step(tmp_path: 
         trainer.fit(module, DataLoader(data, batch_size=16))
     assert trainer.global_step == 0
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+
+
+def test_phase_figures_are_what_a_hook_needs_to_forecast_each_phase() -> None:
+    """Per scheduled phase, its first peak above the allocated level before it; for the
+    first optimizer step also its absolute peak. Plain physics: Adam's first step holds the
+    weights, their gradients and two moments at once (>= 4x the weights), and an eval that
+    keeps its graph (no ``no_grad``) needs more than the same eval under ``no_grad``."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from preflight_jobs import param_bytes, wide_mlp
+
+    from oomcast.preflight.api import preflight
+    from oomcast.preflight.callbacks import phase_figures
+
+    figures = {}
+    for no_grad in (True, False):
+        job = wide_mlp(width=512, layers=4, batch_size=64, eval_no_grad=no_grad)
+        report = preflight(job, capacity_bytes=BIG, remedies=False, device="cpu")
+        figures[no_grad] = phase_figures(report)
+    extra, peaks = figures[True]
+    assert set(extra) == {"eval", "checkpoint", "optimizer"}
+    weights = param_bytes(512, 4)
+    assert peaks["optimizer"] >= 4 * weights
+    # judged from the start of step 0, where the weights are already loaded
+    assert weights <= peaks["optimizer"] - extra["optimizer"] < 2 * weights
+    assert extra["optimizer"] >= 3 * weights  # gradients and Adam's two moments
+    assert extra["checkpoint"] >= weights  # a device copy of the weights at least
+    assert figures[False][0]["eval"] > extra["eval"]
+
+
+@pytest.mark.slow
+def test_hugging_face_the_preflight_announces_its_figures_to_the_jobs_hook(
+    tmp_path: Path, redis_url: str, key_prefix: str
+) -> None:
+    """The Trainer's oomcast hook learns each phase's figure from the preflight at train
+    start, before any phase has run: the service can then forecast a first eval that will
+    not fit (docs/phases.md). ``announce=False`` keeps them apart."""
+    from oomcast.collectors.hook import MemoryHook
+    from oomcast.preflight.callbacks import phase_figures
+
+    for announce in (True, False):
+        hook = MemoryHook(
+            f"tiny-bert-{announce}", redis_url=redis_url, key_prefix=key_prefix,
+            checkpoint_signal=None,
+        )  # fmt: skip
+        try:
+            cb = PreflightTrainerCallback(capacity_bytes=BIG, remedies=False, announce=announce)
+            hf_trainer(tmp_path / str(announce), cb).train()
+            assert cb.report is not None
+            extra, _ = phase_figures(cb.report)
+            assert extra and extra.get("eval", 0) > 0
+            assert hook.phase_extra_bytes == (extra if announce else {})
+        finally:
+            hook.close(timeout_s=0.5)

@@ -281,14 +281,40 @@ class CgroupSource:
             return []
         due = self._next_sample + self.interval_s
         self._next_sample = due if due > now else now + self.interval_s  # no catch-up burst
-        if now >= self._next_scan:
+        rescan = now >= self._next_scan
+        if rescan and not self._domains:  # nothing watched yet: find the domains first
             self.scan()
-            self._next_scan = now + self.rescan_s
+            self._next_scan, rescan = now + self.rescan_s, False
         out: list[Record] = []
         raw: dict[str, int] = {}  # counter rises this tick, per surviving domain
         alive: list[tuple[_Domain, float]] = []
         gone: list[_Domain] = []
-        for rel, dom in list(self._domains.items()):
+        self._read(list(self._domains.items()), now, out, raw, alive, gone)
+        events = self._oom_events(raw, alive, gone, now)
+        if rescan:
+            # after this tick's reads: a rescan drops a cgroup its OOM kill just emptied
+            # (no processes left) and re-bases the counters of the ones it keeps, so a
+            # scan before the reads lost the kill of the tick it came on; the domains it
+            # finds are sampled on this tick still
+            before = set(self._domains)
+            self.scan()
+            self._next_scan = now + self.rescan_s
+            new = [(rel, d) for rel, d in self._domains.items() if rel not in before]
+            self._read(new, now, out, {}, [], [])
+        return out + events
+
+    def _read(
+        self,
+        domains: list[tuple[str, _Domain]],
+        now: float,
+        out: list[Record],
+        raw: dict[str, int],
+        alive: list[tuple[_Domain, float]],
+        gone: list[_Domain],
+    ) -> None:
+        """Sample ``domains`` into ``out``, noting the rise of each one's OOM-kill counter in
+        ``raw``, the domains read in ``alive`` and the vanished ones in ``gone``."""
+        for rel, dom in domains:
             with_psi = dom.psi_in <= 0
             try:
                 reading = dom.cgroup.read(with_pressure=with_psi)
@@ -316,8 +342,6 @@ class CgroupSource:
                 raw[rel] = kills - dom.kills
             if kills is not None:
                 dom.kills = kills
-        events = self._oom_events(raw, alive, gone, now)
-        return out + events
 
     def _oom_events(
         self,

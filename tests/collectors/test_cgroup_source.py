@@ -343,3 +343,25 @@ def test_container_removed_and_created_again_between_ticks_is_read_afresh(tmp_pa
     (c1 / "memory.current").write_text(f"{600 * MIB}\n")
     assert [s.used_bytes for s in samples(src.poll(2.0))] == [600 * MIB]
     src.close()
+
+
+def test_a_kill_that_empties_its_cgroup_before_a_rescan_is_still_an_event(
+    tmp_path: Path,
+) -> None:
+    """The OOM killer takes a container's only process: the cgroup is left empty, and the
+    rescan due on the next tick no longer finds it (no processes). The kill must still be
+    an event: the tick reads the counters of the domains it had before the rescan drops
+    them. (A CI run lost an OOM this way, when the agent's loop had been held 3 s by a
+    checkpoint request and the rescan came due on the same tick.)"""
+    root = v1_tree(tmp_path / "memory")
+    src = CgroupSource("n", root, interval_s=0.5, rescan_s=5.0, include=("/docker/*",))
+    assert samples(src.poll(10.0))
+    docker = root / "docker" / ("b" * 64)
+    (docker / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
+    (docker / "cgroup.procs").write_text("")  # the victim was its only process
+    records = src.poll(15.5)  # a rescan is due on this tick
+    events = [r for r in records if isinstance(r, Event)]
+    assert [(e.event, e.device) for e in events] == [("oom", f"cgroup:/docker/{'b' * 64}")]
+    assert src.stats.oom_kills == 1
+    assert src.poll(16.0) == []  # the empty cgroup is gone from the domains now
+    src.close()

@@ -206,14 +206,25 @@ def node_key(master_secret: str, node: str) -> str:
     return derive_key(master_secret, NODE_KEY_CONTEXT + node.encode("utf-8", "surrogateescape"))
 
 
+NODE_KEYS_CACHED = 100_000
+
+
 def node_keys(master_secret: str) -> Callable[[str], str | None]:
     """``node -> node_key(master_secret, node)`` (None for an empty name): the lookup the
     service gives :func:`oomcast.model.wire.entry_attested`. Raises ValueError now, not on
     the first lookup, for an empty secret."""
     node_key(master_secret, "-")  # an empty or non-string secret fails here
+    known: dict[str, str] = {}  # every entry names its node: derived once (bounded)
 
     def key_for(node: str) -> str | None:
-        return node_key(master_secret, node) if node else None
+        if not node:
+            return None
+        key = known.get(node)
+        if key is None:
+            if len(known) >= NODE_KEYS_CACHED:
+                known.clear()
+            key = known[node] = node_key(master_secret, node)
+        return key
 
     return key_for
 

@@ -210,7 +210,7 @@ def _fast_sample(obj: dict[str, Any]) -> Sample | None:
     """The sample, when ``obj`` is as agents write it (float ts, int counts, names of plain
     text) and valid; None sends it down the field-by-field checks, which say what is wrong.
     Accepts exactly what those accept, for what it handles: the ingest hot path."""
-    get = obj.get
+    get, good = obj.get, _GOOD_NAMES
     ts, node, device, kind = get("ts"), get("node"), get("device"), get("kind")
     total, used = get("total_bytes"), get("used_bytes")
     if (
@@ -222,8 +222,8 @@ def _fast_sample(obj: dict[str, Any]) -> Sample | None:
         or type(used) is not int
         or not 0 <= used <= MAX_COUNT
         or used > SANITY_FACTOR * total
-        or not _good_name(node)
-        or not _good_name(device)
+        or ((type(node) is not str or node not in good) and not _good_name(node))
+        or ((type(device) is not str or device not in good) and not _good_name(device))
     ):
         return None
     bound = SANITY_FACTOR * total
@@ -234,7 +234,11 @@ def _fast_sample(obj: dict[str, Any]) -> Sample | None:
     retries, job = get("alloc_retries"), get("job")
     if retries is not None and (type(retries) is not int or not 0 <= retries <= MAX_COUNT):
         return None
-    if job is not None and not _good_name(job, blank_ok=True):
+    if (
+        job is not None
+        and (type(job) is not str or job not in good)
+        and not _good_name(job, blank_ok=True)
+    ):
         return None
     step, phase = get("step"), get("phase")
     if step is not None and (type(step) is not int or not 0 <= step <= MAX_COUNT):

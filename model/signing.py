@@ -27,7 +27,8 @@ def verify(data: bytes, signature: str | bytes | None, secret: str) -> bool:
     if signature is None:
         return False
     given = signature.encode() if isinstance(signature, str) else bytes(signature)
-    return hmac.compare_digest(sign(data, secret).encode(), given)
+    expected = SIG_PREFIX.encode() + hmac.digest(_key(secret), data, "sha256").hex().encode()
+    return hmac.compare_digest(expected, given)
 
 
 def derive_key(secret: str, context: bytes) -> str:

@@ -46,6 +46,7 @@ from oomcast.service.bench_load import (
     group_progress,
     histogram_quantile,
     latency_buckets,
+    process_tree,
     rss_mb,
 )
 from oomcast.service.faults.procs import (
@@ -93,28 +94,35 @@ class Run:
     fleet: Fleet
     group: str = "oomcast-service"
     replicas: int = 1
+    workers: int = 1
     services: list[Service] = field(default_factory=list)
 
     def start_services(self) -> list[Service]:
-        """``replicas`` services; with more than one, each owns a fixed, contiguous share of
-        the partitions (as a StatefulSet pins them), so none waits for a lease to move."""
+        """``replicas`` services of ``workers`` worker processes each; with more than one
+        process, each owns a fixed, contiguous share of the partitions (as a StatefulSet
+        pins them), so none waits for a lease to move."""
         n, parts = self.replicas, self.keys.partitions
+        args = ("--workers", str(self.workers)) if self.workers > 1 else ()
         for k in range(n):
             env = dict(self.env, OOMCAST_CONSUMER_NAME=f"bench-ingest-{k}")
-            if n > 1:
+            if n > 1 or self.workers > 1:
                 lo, hi = k * parts // n, (k + 1) * parts // n - 1
                 env["OOMCAST_PARTITIONS_OWNED"] = f"{lo}-{hi}"
-            self.services.append(start_service(self.procs, f"ingest-{k}", env))
+            self.services.append(start_service(self.procs, f"ingest-{k}", env, args))
         return self.services
 
     def alive(self) -> bool:
         return bool(self.services) and all(s.alive() for s in self.services)
 
+    def pids(self) -> list[int]:
+        """Every process of the services: with ``--workers``, the front and its workers."""
+        return [p for s in self.services for p in process_tree(s.pid)]
+
     def cpu_s(self) -> float:
-        return sum(cpu_seconds(s.pid) for s in self.services)
+        return sum(cpu_seconds(p) for p in self.pids())
 
     def rss(self) -> float:
-        return round(sum(rss_mb(s.pid) for s in self.services), 1)
+        return round(sum(rss_mb(p) for p in self.pids()), 1)
 
     def metric(self, name: str) -> float:
         return sum(s.metrics().get(name, 0.0) for s in self.services)
@@ -140,7 +148,7 @@ class Run:
 
 
 @contextmanager
-def bench_run(domains: int, partitions: int, replicas: int = 1) -> Iterator[Run]:
+def bench_run(domains: int, partitions: int, replicas: int = 1, workers: int = 1) -> Iterator[Run]:
     """A private Redis, the fleet, and the service's environment; every process and the
     temporary folder gone on the way out."""
     logs = Path(tempfile.mkdtemp(prefix="oomcast-bench-ingest-"))
@@ -158,7 +166,8 @@ def bench_run(domains: int, partitions: int, replicas: int = 1) -> Iterator[Run]
             OOMCAST_CONTROL_SECRET=secret,
         )
         fleet = Fleet(domains, secret)
-        yield Run(procs, server, server.client(), keys, env, fleet, replicas=replicas)
+        client = server.client()
+        yield Run(procs, server, client, keys, env, fleet, replicas=replicas, workers=workers)
     except IngestBenchError:
         raise
     except FaultBenchError as exc:
@@ -219,6 +228,7 @@ def _common(run: Run, written: int, entries: int) -> dict[str, Any]:
         "gpus_per_node": GPUS_PER_NODE,
         "partitions": run.keys.partitions,
         "replicas": run.replicas,
+        "workers_per_replica": run.workers,
         "signed": True,
         "entries_written": entries,
         "samples_written": written,
@@ -410,6 +420,7 @@ def bench_ingest(
     partitions: int = 4,
     timeout_s: float = 600.0,
     replicas: int = 1,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """Run one measurement (see the module docstring) and return its figures."""
     if domains < 1 or seconds <= 0 or partitions < 1:
@@ -422,11 +433,16 @@ def bench_ingest(
             f"bench ingest: --replicas {replicas} must be between 1 and --partitions"
             f" ({partitions}): a replica without a partition reads nothing"
         )
+    if not 1 <= workers * replicas <= partitions:
+        raise ValueError(
+            f"bench ingest: --workers {workers} x --replicas {replicas} must be between 1 and"
+            f" --partitions ({partitions}): a worker without a partition reads nothing"
+        )
     if rate is not None and rate <= 0:
         raise ValueError(f"bench ingest: --rate {rate:g} must be positive")
     if soak and rate is None:
         rate = SOAK_DEFAULT_RATE
-    with bench_run(domains, partitions, replicas) as run:
+    with bench_run(domains, partitions, replicas, workers) as run:
         if rate is None:
             return drain(run, seconds, timeout_s)
         return rated(run, rate, seconds, soak, timeout_s)

@@ -93,6 +93,25 @@ def rss_mb(pid: int) -> float:
     return round(read_status(pid).get("VmRSS", 0) / 1e6, 1)
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (the workers of ``serve --workers``), from
+    ``/proc/<pid>/task/<tid>/children``."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            tasks = list(Path(f"/proc/{p}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+    return out
+
+
 def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
     """The ``q`` quantile of a cumulative histogram ``[(le, count)]`` (``le`` ascending,
     the last +Inf), interpolated linearly within the bucket it falls in, as Prometheus's

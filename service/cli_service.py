@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
     from pydantic import ValidationError
 
-    from oomcast.service.main import create_app
     from oomcast.service.settings import Settings
 
     try:
@@ -30,11 +30,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
             OnnxForecaster(settings.model_path)
         except ModelLoadError as exc:
             raise UsageError(f"OOMCAST_MODEL_PATH={settings.model_path}: {exc}") from None
+    from oomcast.service.workers import WORKER_ENV, WorkersError, parse_workers, run_front
+
+    try:
+        workers = parse_workers(
+            args.workers or settings.workers, cap=len(settings.owned_partitions())
+        )
+    except WorkersError as exc:
+        raise UsageError(str(exc)) from None
+    if workers > 1 and not args.uds:
+        try:
+            run_front(settings, workers, args.host, args.port, args.log_level)
+        except WorkersError as exc:
+            raise UsageError(str(exc)) from None
+        return 0
+    from oomcast.service.main import create_app  # not in a front: it forecasts nothing
     from oomcast.service.state import tune_gc
 
     app = create_app(settings)
     tune_gc()
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    if args.uds:  # a worker of `serve --workers` (whose front logs the requests), or a proxy's
+        worker = os.environ.get(WORKER_ENV) is not None
+        uvicorn.run(app, uds=args.uds, log_level=args.log_level, access_log=not worker)
+    else:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
@@ -54,7 +73,13 @@ def settings_problems(exc: Any) -> str:
     return "; ".join(problems)
 
 
+INGEST_DRAIN_SECONDS = 10.0  # of backlog: a 2 s one is mostly the service's first batches
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.seconds is None:
+        drain = args.what == "ingest" and args.rate is None and not args.soak
+        args.seconds = INGEST_DRAIN_SECONDS if drain else 2.0
     if args.what == "faults":
         return _bench_faults(args)
     if args.what == "ingest":
@@ -121,6 +146,12 @@ def _bench_ingest(args: argparse.Namespace) -> int:
         replicas = int(args.replicas or "1")
     except ValueError:
         raise UsageError(f"--replicas {args.replicas!r}: ingest takes one count, e.g. 2") from None
+    from oomcast.service.workers import WorkersError, parse_workers
+
+    try:
+        workers = parse_workers(args.workers or "auto", cap=args.partitions // max(replicas, 1))
+    except WorkersError as exc:
+        raise UsageError(str(exc)) from None
     try:
         result = bench_ingest(
             domains=args.domains,
@@ -129,6 +160,7 @@ def _bench_ingest(args: argparse.Namespace) -> int:
             soak=args.soak,
             partitions=args.partitions,
             replicas=replicas,
+            workers=workers,
         )
     except (ValueError, IngestBenchError) as exc:
         raise UsageError(str(exc)) from None
@@ -233,6 +265,16 @@ def add_parsers(sub: Any, env: CommandEnv) -> None:
     s = sub.add_parser("serve", help="run the service")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8000, help="port to listen on")
+    s.add_argument(
+        "--workers",
+        default=None,
+        metavar="N|auto",
+        help="worker processes, one per core to use; they share the partitions and a front"
+        " process answers the API for all of them; auto: the cores this process may use"
+        " (affinity and cgroup CPU limit), at most the partitions (default $OOMCAST_WORKERS,"
+        " else 1; docs/scaling.md)",
+    )
+    s.add_argument("--uds", default=None, help="listen on this Unix socket instead of a port")
     s.set_defaults(func=cmd_serve)
 
 
@@ -248,7 +290,12 @@ def add_bench_parser(sub: Any) -> None:
         " --replicas oomcast serve replicas draining them from a local 3-primary Redis Cluster",
     )
     b.add_argument("--model", help="ONNX model (default: shipped, else an untrained one)")
-    b.add_argument("--seconds", type=float, default=2.0, help="per measurement (agent: total)")
+    b.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="per measurement (agent: total; default 2, ingest drain: 10 s of backlog)",
+    )
     b.add_argument("--steps", type=int, default=20_000, help="hook: steps timed")
     b.add_argument("--requests", type=int, default=50, help="api: requests timed per query")
     b.add_argument(
@@ -293,6 +340,13 @@ def add_bench_parser(sub: Any) -> None:
         default=None,
         help="ingest: oomcast serve replicas sharing the partitions (default 1); cluster: the"
         " replica counts to measure, in turn (default 1,2)",
+    )
+    b.add_argument(
+        "--workers",
+        default=None,
+        metavar="N|auto",
+        help="ingest: worker processes of each oomcast serve (serve --workers; default auto:"
+        " one per core this process may use, at most the partitions per replica)",
     )
     b.add_argument("--json", action="store_true", help="print one JSON object of figures")
     b.set_defaults(func=cmd_bench)

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 # (-risk at the alert horizon, -risk at any horizon, -used fraction, node, device)
 SortKey = tuple[float, float, float, str, str]
 _GLOB = re.compile(r"[*?\[]")
+# A page asked for with this header also has ``cursors``: each device's place in the order,
+# which the front of ``serve --workers`` merges the workers' pages by.
+CURSORS_HEADER = "x-oomcast-cursors"
 
 
 class BadCursor(ValueError):

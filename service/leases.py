@@ -42,7 +42,7 @@ import math
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -132,6 +132,11 @@ class PartitionLeases:
     _lapsed: set[int] = field(default_factory=set, init=False, repr=False)
     _last_tick: float = field(default=-math.inf, init=False, repr=False)
     _live: int = field(default=1, init=False, repr=False)
+    # Called with the partitions given up to rebalance, while their leases are still ours
+    # in Redis (no longer locally): service/ownership.py writes their snapshots there.
+    before_release: Callable[[list[int]], Awaitable[None]] | None = field(
+        default=None, init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         if self.partitions < 1:
@@ -290,6 +295,11 @@ class PartitionLeases:
                 del self._held[p]  # not ours from here on, whatever Redis answers
             released.update(extras)
             acquired.difference_update(extras)
+            if self.before_release is not None:
+                try:
+                    await self.before_release(extras)
+                except Exception as exc:  # the hand-over is a courtesy; the release is not
+                    log.warning("partitions %s: hand-over before release failed (%s)", extras, exc)
             await self._release(extras)
         return released
 

@@ -78,6 +78,34 @@ class Ownership:
         self.commit_margin_s = COMMIT_MARGIN * float(getattr(owner, "ttl_s", 0.0))
         self.on_restore: Callable[[list[Alert]], None] | None = None
         self.on_forget: Callable[[set[Domain]], None] | None = None
+        if hasattr(owner, "before_release"):  # leases: a partition given up is handed over
+            owner.before_release = self.hand_over
+
+    async def hand_over(self, partitions: list[int]) -> None:
+        """A partition given up to rebalance (a replica or worker joined): every one of its
+        domains is snapshotted now, fenced by the lease that is still ours in Redis, so the
+        new owner carries on from the last sample this replica forecast instead of from a
+        snapshot up to ``snapshot_every_s`` old (or none, for a domain seen only since)."""
+        if self.store is None or self.token is None:
+            return
+        wanted = set(partitions)
+        blobs: dict[int, dict[Domain, bytes]] = {}
+        for d in self.live.domains:
+            p = self.keys.partition_of(d[0])
+            if p in wanted:
+                blobs.setdefault(p, {})[d] = self.live.snapshot(
+                    d, history_points=self.snapshot_history
+                )
+        if not blobs:
+            return
+        pipe = self.store.client.pipeline(transaction=False)
+        for p, items in blobs.items():
+            self.store.stage(pipe, p, items, lease_token=self.token)
+        await pipe.execute()
+        log.info(
+            "partitions %s handed over: %d domains snapshotted",
+            sorted(blobs), sum(len(b) for b in blobs.values()),
+        )  # fmt: skip
 
     def keep_alive_in(self, target: Any) -> None:
         """Alertmanager ends an alert nobody re-sends: on a partition's hand-over the new

@@ -17,6 +17,7 @@ from oomcast.model.schema import Sample
 if TYPE_CHECKING:
     from oomcast.service.state import DomainState
 
+
 def on_schedule(st: DomainState, event: ScheduleEvent) -> None:
     """Keep the job's schedule on its domain (a repeated one refreshes it)."""
     if st.phases is None or (

@@ -66,6 +66,9 @@ class Settings(BaseSettings):
     # A lease lives this long unrenewed (renewed every third of it): a dead replica's
     # partitions are taken over within lease_ttl_s plus one renewal (~13 s by default).
     lease_ttl_s: float = Field(default=10.0, ge=1.0, le=300.0)
+    # Worker processes of one `oomcast serve` (service/workers.py): one per core to use.
+    # "auto": one per core this process may use (service/workers.py, available_cpus).
+    workers: str = "1"
     # A domain's state is snapshotted to Redis with every batch that alerts on it, and at
     # least this often otherwise: how far a new owner's forecaster state may lag.
     snapshot_every_s: float = Field(default=5.0, gt=0, le=3600.0)
@@ -153,8 +156,7 @@ class Settings(BaseSettings):
     def _redis_url(cls, v: str) -> str:
         if urlparse(v).scheme not in ("redis", "rediss", "unix"):
             raise ValueError(
-                "OOMCAST_REDIS_URL must be a redis://, rediss:// or unix:// URL:"
-                f" {redact_url(v)!r}"
+                f"OOMCAST_REDIS_URL must be a redis://, rediss:// or unix:// URL: {redact_url(v)!r}"
             )
         return v
 
@@ -173,9 +175,7 @@ class Settings(BaseSettings):
         if v in (None, ""):
             return None
         if urlparse(v).scheme not in ("http", "https") or not urlparse(v).netloc:
-            raise ValueError(
-                f"OOMCAST_ALERTMANAGER_URL must be an http(s) URL: {redact_url(v)!r}"
-            )
+            raise ValueError(f"OOMCAST_ALERTMANAGER_URL must be an http(s) URL: {redact_url(v)!r}")
         return v.rstrip("/")
 
     def rules_path(self) -> str:

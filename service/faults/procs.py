@@ -215,10 +215,13 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
-def start_service(procs: Procs, name: str, env: Mapping[str, str]) -> Service:
+def start_service(
+    procs: Procs, name: str, env: Mapping[str, str], args: Sequence[str] = ()
+) -> Service:
+    """``oomcast serve`` (with ``args`` added) on a free port, once it is ready."""
     port = free_port()
     proc = procs.spawn(
-        oomcast_argv("--log-level", "warning", "serve", "--port", str(port)),
+        oomcast_argv("--log-level", "warning", "serve", "--port", str(port), *args),
         env,
         f"serve-{name}.log",
     )

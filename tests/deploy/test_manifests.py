@@ -369,7 +369,17 @@ COLLECT_FLAGS: dict[str, Callable[[str], None]] = {
     "--metrics-port": _port,
     "--redis-url": _redis_url,
 }
-SERVE_FLAGS: dict[str, Callable[[str], None]] = {"--host": _host, "--port": _port}
+def _workers(v: str) -> None:
+    from oomcast.service.workers import parse_workers
+
+    parse_workers(v, cap=4)  # WorkersError (a ValueError) for anything but a count or auto
+
+
+SERVE_FLAGS: dict[str, Callable[[str], None]] = {
+    "--host": _host,
+    "--port": _port,
+    "--workers": _workers,
+}
 SUBCOMMANDS = {"collect": COLLECT_FLAGS, "serve": SERVE_FLAGS}
 REQUIRED = {"collect": {"--source"}, "serve": set()}
 TARGET_OF = {"collect": "collector", "serve": "service"}
@@ -778,6 +788,7 @@ def test_service_deployment() -> None:
     (c,) = spec["containers"]
     sub, opts = parse_oomcast(k8s_argv(c))
     assert sub == "serve" and opts["--host"] == "0.0.0.0"
+    assert opts.get("--workers") == "auto"  # a worker per core of the pod's CPU limit
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert int(opts["--port"]) == ports["http"]
     assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}

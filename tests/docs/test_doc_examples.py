@@ -389,6 +389,13 @@ RUNS: dict[str, Run] = {
         then=send_the_curl_examples,
         stopped=SERVED,
     ),
+    # the front and its workers (docs/scaling.md): the README's curl goes through the front
+    "oomcast serve --host 0.0.0.0 --port 8000 --workers auto": Run(
+        extra="--host 127.0.0.1 --port {port}",
+        until=ready,
+        then=send_the_curl_examples,
+        stopped=SERVED,
+    ),
     COLLECT_SIM: Run(until=streamed),
     "oomcast collect --source replay --trace run.jsonl.gz --speed 10": Run(after=(DUMP,)),
     DUMP: Run(after=(COLLECT_SIM,)),
@@ -435,6 +442,7 @@ RUNS: dict[str, Run] = {
     ),
     "oomcast bench faults --only forged_command,oversized_body": Run(),
     "oomcast bench ingest --domains 5000 --json": Run(extra=SECONDS_1),
+    "oomcast bench ingest --domains 5000 --workers 1 --json": Run(extra=SECONDS_1),
     "oomcast bench ingest --domains 2000 --rate 5000 --seconds 30": Run(extra=SECONDS_1),
     # the soak mode for 1 s, not 30 minutes: it starts, writes at the rate, reports RSS
     "oomcast bench ingest --domains 2000 --rate 5000 --seconds 1800 --soak --json": Run(

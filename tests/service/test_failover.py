@@ -225,3 +225,44 @@ def test_a_killed_service_restarted_resolves_what_it_fired_and_does_not_page_aga
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_a_partition_given_up_to_a_new_replica_is_handed_over_at_its_last_sample(
+    redis_url: str, rclient: redis.Redis, key_prefix: str
+) -> None:
+    """A joins alone and forecasts every partition; B joins and A gives half of them up.
+    Periodic snapshots are an hour apart here, so B can only continue A's domains where A
+    left them from the snapshots A writes as it gives the partitions up."""
+    keys = Keys(key_prefix, PARTITIONS)
+    nodes = nodes_one_per_partition(keys)
+    env = {
+        **os.environ,
+        "OOMCAST_REDIS_URL": redis_url,
+        "OOMCAST_KEY_PREFIX": key_prefix,
+        "OOMCAST_PARTITIONS": str(PARTITIONS),
+        "OOMCAST_LEASE_TTL_S": str(TTL_S),
+        "OOMCAST_SNAPSHOT_EVERY_S": "3600",
+        "OOMCAST_FORECASTER": "threshold_0.90",
+    }
+    port_a, port_b = free_port(), free_port()
+    procs = [start_serve({**env, "OOMCAST_CONSUMER_NAME": "alone"}, port_a)]
+    try:
+        assert wait_until(lambda: len(owned(port_a)) == PARTITIONS, 30)
+        t = time.time()
+        for i in range(3):  # a tick at a time: A snapshots each domain at its first
+            for node in nodes.values():
+                write(rclient, keys, node, 0.3, t + i)
+            want = dict.fromkeys(nodes.values(), i + 1)
+            assert wait_until(lambda want=want: seen_everywhere(port_a) == want)  # type: ignore[misc]
+
+        procs.append(start_serve({**env, "OOMCAST_CONSUMER_NAME": "joiner"}, port_b))
+        assert wait_until(lambda: len(owned(port_a)) == 2 and len(owned(port_b)) == 2, 30)
+        # no sample since: what B holds came from A's hand-over, at A's last sample
+        b_nodes = {nodes[p] for p in owned(port_b)}
+        assert wait_until(lambda: set(seen_everywhere(port_b)) == b_nodes, 10)
+        assert seen_everywhere(port_b) == dict.fromkeys(b_nodes, 3)
+        assert seen_everywhere(port_a) == {n: 3 for n in nodes.values() if n not in b_nodes}
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(30)

@@ -4,14 +4,22 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from oomcast.model.schema import MAX_NAME_CHARS
 from oomcast.service.api.deps import Authorized, Ctx, unprocessable
 from oomcast.service.api.responses import V1, Responses, responses
-from oomcast.service.device_query import CURSOR_PATTERN, BadCursor, DeviceFilter, decode_cursor
+from oomcast.service.device_query import (
+    CURSOR_PATTERN,
+    CURSORS_HEADER,
+    BadCursor,
+    DeviceFilter,
+    decode_cursor,
+    encode_cursor,
+    sort_key,
+)
 
 router = APIRouter(tags=["devices"], dependencies=[Authorized])
 # These handlers are async on purpose: they then run on the event loop, between ingest
@@ -96,6 +104,7 @@ _PAGE: Responses = {200: {"model": DevicesPage, "description": "One page, riskie
 
 @router.get("/devices", response_class=JSONResponse, responses={**_PAGE, **responses(*V1, 422)})
 async def list_devices(
+    request: Request,
     ctx: Ctx,
     limit: Annotated[int, Query(ge=1, le=1000, description="domains per page")] = 100,
     cursor: Annotated[
@@ -136,7 +145,7 @@ async def list_devices(
     )
     horizon = ctx.live.horizon_s
     page = ctx.live.query(time.time(), ctx.settings.live_after_s, where, limit)
-    body = {
+    body: dict[str, Any] = {
         "alert_horizon_s": horizon,
         "total": page.total,
         "matched": page.matched,
@@ -144,6 +153,8 @@ async def list_devices(
         "next": page.next_cursor,
         "devices": [st.summary(horizon) for st in page.page],
     }
+    if request.headers.get(CURSORS_HEADER):  # asked by the front of `serve --workers`
+        body["cursors"] = [encode_cursor(sort_key(st, horizon)) for st in page.page]
     # Serialised here, not by FastAPI's encoder, which walks every value of every summary.
     return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")
 

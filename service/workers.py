@@ -200,24 +200,31 @@ class WorkerPool:
 
     async def _keep(self, w: Worker) -> None:
         """Wait on the worker; while the service runs, start it again when it ends."""
-        delay = 1.0
+        backoff = 1.0  # doubled for each worker that dies within a minute of its start
         while not self._stopping:
-            assert w.proc is not None
-            rc = await w.proc.wait()
-            if self._stopping:
-                return
-            lived = time.monotonic() - w.started
-            delay = 1.0 if lived > 60 else min(RESTART_MAX_S, delay * 2)
-            log.error(
-                "worker %d (pid %d) ended with %s after %.0f s; starting it again in %.0f s"
-                " (its partitions go to the other workers meanwhile)",
-                w.index, w.proc.pid, rc, lived, delay,
-            )  # fmt: skip
+            if w.proc is not None:
+                rc = await w.proc.wait()
+                if self._stopping:
+                    return
+                lived = time.monotonic() - w.started
+                delay = 1.0 if lived > 60 else backoff
+                log.error(
+                    "worker %d (pid %d) ended with %s after %.0f s; starting it again in"
+                    " %.0f s (its partitions go to the other workers meanwhile)",
+                    w.index, w.proc.pid, rc, lived, delay,
+                )  # fmt: skip
+            else:
+                delay = backoff
+            backoff = min(RESTART_MAX_S, delay * 2)
             await asyncio.sleep(delay)
             if self._stopping:
                 return
             w.restarts += 1
-            await self._spawn(w)
+            try:
+                await self._spawn(w)
+            except OSError as exc:  # no process at all (out of PIDs or memory): try again
+                w.proc = None
+                log.error("worker %d could not be started (%s)", w.index, exc)
 
     async def start(self) -> None:
         for w in self.workers:

@@ -428,12 +428,7 @@ def bench_ingest(
             f"bench ingest: --domains ({domains}) and --partitions ({partitions}) must be at"
             f" least 1 and --seconds ({seconds:g}) positive"
         )
-    if not 1 <= replicas <= partitions:
-        raise ValueError(
-            f"bench ingest: --replicas {replicas} must be between 1 and --partitions"
-            f" ({partitions}): a replica without a partition reads nothing"
-        )
-    if not 1 <= workers * replicas <= partitions:
+    if replicas < 1 or workers < 1 or workers * replicas > partitions:
         raise ValueError(
             f"bench ingest: --workers {workers} x --replicas {replicas} must be between 1 and"
             f" --partitions ({partitions}): a worker without a partition reads nothing"

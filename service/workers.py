@@ -35,7 +35,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -170,10 +170,9 @@ class WorkerPool:
         shares = worker_partitions(settings, workers)
         self.folder = Path(tempfile.mkdtemp(prefix="oomcast-workers-"))
         self.log_level = log_level
-        base = {k: v for k, v in os.environ.items()}
         self.workers = []
         for i, share in enumerate(shares):
-            env = dict(base, OOMCAST_CONSUMER_NAME=f"{settings.consumer_name}-w{i}")
+            env = dict(os.environ, OOMCAST_CONSUMER_NAME=f"{settings.consumer_name}-w{i}")
             env["OOMCAST_WORKERS"] = "1"
             env[WORKER_ENV] = str(i)
             if share is not None:
@@ -479,8 +478,6 @@ def merge_metrics(texts: Sequence[tuple[int, str]], pool: WorkerPool | None = No
 async def metrics(pool: WorkerPool, request: Request) -> Response:
     answers, _ = await _ask_all(pool, request)  # a worker that is down has no figures to add
     texts = [(a.worker, a.body.decode()) for a in answers if a.status == 200]
-    from prometheus_client import CONTENT_TYPE_LATEST
-
     return Response(merge_metrics(texts, pool), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -497,7 +494,10 @@ async def forward(pool: WorkerPool, request: Request) -> Response:
     return _unavailable(problems)
 
 
-def _route(path: str, method: str) -> Any:
+Handler = Callable[[WorkerPool, Request], Awaitable[Response]]
+
+
+def _route(path: str, method: str) -> Handler:
     if path == "/readyz":
         return readyz
     if path == "/metrics":
@@ -530,9 +530,7 @@ def create_front(settings: Settings, pool: WorkerPool) -> FastAPI:
         include_in_schema=False,
     )
     async def everything(request: Request, path: str) -> Response:
-        handler = _route(request.url.path, request.method)
-        result: Response = await handler(pool, request)
-        return result
+        return await _route(request.url.path, request.method)(pool, request)
 
     # The same edge as a worker's: the token and the body limit before a body is read.
     token = settings.api_token.get_secret_value() if settings.api_token else None

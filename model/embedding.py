@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from oomcast.model.schema import Sample, parse_sample
@@ -251,7 +251,7 @@ class EmbeddingState:
         )
 
 
-_SAMPLE_FIELDS = Sample.__slots__
+_SAMPLE_FIELDS = tuple(f.name for f in fields(Sample))
 
 
 def sample_dict(sample: Sample) -> dict[str, Any]:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast, dataclass_transform
 
 import orjson
 
@@ -46,8 +47,21 @@ class SchemaError(ValueError):
 
 Domain = tuple[str, str]  # (node, device)
 
+_T = TypeVar("_T")
 
-@dataclass(slots=True, frozen=True)
+
+@dataclass_transform(frozen_default=True)
+def record(cls: type[_T]) -> type[_T]:
+    """A value class: a slotted dataclass, immutable to the type checker (mypy refuses an
+    assignment to a field, as for ``frozen=True``) and hashable by its fields, but not frozen
+    at run time: a frozen dataclass sets each field through ``object.__setattr__``, and for
+    the 14 fields of a Sample that made its construction 2.0 us instead of 0.3 us, on a path
+    that builds one per sample ingested (the drain's budget is about 18 us a sample)."""
+    make: Callable[[type[_T]], type[_T]] = dataclass(slots=True, unsafe_hash=True)
+    return make(cls)
+
+
+@record
 class Sample:
     ts: float
     node: str

@@ -14,7 +14,13 @@ from typing import Any
 
 from oomcast.model.forecast import Embedding as ForecastEmbedding
 from oomcast.model.schema import Event, Sample, SchemaError
-from oomcast.model.wire import DecodedSample, Keys, decode_event, decode_samples, entry_attested
+from oomcast.model.wire import (
+    DecodedSample,
+    Keys,
+    decode_event,
+    decode_sample_batch,
+    entry_attested,
+)
 
 log = logging.getLogger("oomcast.service.ingest")
 
@@ -146,6 +152,7 @@ def decode_sample_entries(
     out = Decoded()
     now = int(time.time() * 1000) if now_ms is None else now_ms
     home = keys.partition_of_stream(stream) if keys is not None else None
+    readable: list[tuple[bytes | str, Fields]] = []
     for entry_id, fields in entries:
         if fields is None:
             continue  # trimmed away before we read it
@@ -154,10 +161,11 @@ def decode_sample_entries(
             big = f"the samples field is {len(raw)} bytes; the limit is {MAX_ENTRY_BYTES}"
             out.deadletters.append(deadletter(stream, entry_id, fields, big))
             continue
-        try:
-            decoded = decode_samples(dict(fields))
-        except Exception as exc:  # any undecodable entry, not only the foreseen ones
-            out.deadletters.append(deadletter(stream, entry_id, fields, _reason(exc)))
+        readable.append((entry_id, fields))
+    batch = decode_sample_batch([fields for _, fields in readable])
+    for (entry_id, fields), decoded in zip(readable, batch, strict=True):
+        if isinstance(decoded, Exception):
+            out.deadletters.append(deadletter(stream, entry_id, fields, _reason(decoded)))
             continue
         eid = _s(entry_id)
         ms = arrival_ms(eid, now)
@@ -210,7 +218,7 @@ def _signer(fields: Fields, key_for_node: KeyForNode | None) -> str | None:
     if key_for_node is None:
         return None
     try:
-        if not entry_attested(dict(fields), key_for_node):
+        if not entry_attested(fields, key_for_node):
             return None
     except Exception:  # a malformed signature field is an unsigned entry, nothing worse
         return None

@@ -10,6 +10,7 @@ collector busy walking them. ``HISTORY_BYTES_PER_POINT`` is the figure docs/scal
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -26,6 +27,10 @@ POINT = np.dtype(
     ]
 )
 assert POINT.itemsize == HISTORY_BYTES_PER_POINT
+# One point as bytes, laid out as POINT is: an append packs them in place (0.10 us) where
+# assigning a tuple to a record of the array costs 0.30 us, once per sample ingested.
+_PACK = struct.Struct("<dqqff")
+assert _PACK.size == HISTORY_BYTES_PER_POINT
 
 
 class HistoryPoint(NamedTuple):
@@ -39,15 +44,27 @@ class HistoryPoint(NamedTuple):
 class History:
     """The last ``maxlen`` points, oldest first when iterated."""
 
-    __slots__ = ("_next", "_points", "_risk", "_size", "_total", "_ts", "_tto", "_used", "maxlen")
+    __slots__ = (
+        "_buf",
+        "_next",
+        "_points",
+        "_risk",
+        "_size",
+        "_total",
+        "_ts",
+        "_tto",
+        "_used",
+        "maxlen",
+    )
 
     def __init__(self, maxlen: int) -> None:
         if maxlen < 1:
             raise ValueError(f"a history holds at least 1 point, not {maxlen}")
         self.maxlen = maxlen
-        # one record per point, so that an append is one write (five column writes cost
-        # 0.48 us a point, one record 0.29 us); the columns are views of it
-        self._points = np.zeros(maxlen, POINT)
+        # one record per point, so that an append is one write of 32 bytes (five column
+        # writes cost 0.48 us a point); the columns are views of it
+        self._buf = bytearray(maxlen * HISTORY_BYTES_PER_POINT)  # zeros
+        self._points = np.frombuffer(self._buf, POINT)  # the same bytes, writable
         self._ts = self._points["ts"]
         self._used = self._points["used"]
         self._total = self._points["total"]
@@ -67,13 +84,11 @@ class History:
         self, ts: float, used: int, total: int, risk: float, time_to_oom_s: float | None
     ) -> None:
         i = self._next
-        self._points[i] = (
-            ts,
-            used,
-            total,
-            risk,
-            math.nan if time_to_oom_s is None else time_to_oom_s,
-        )
+        tto = math.nan if time_to_oom_s is None else time_to_oom_s
+        try:
+            _PACK.pack_into(self._buf, i * HISTORY_BYTES_PER_POINT, ts, used, total, risk, tto)
+        except (OverflowError, struct.error):  # a float past float32's range: numpy rounds
+            self._points[i] = (ts, used, total, risk, tto)  # it to inf, as it always did
         self._next = (i + 1) % self.maxlen
         if self._size < self.maxlen:
             self._size += 1

@@ -16,6 +16,7 @@ from oomcast.model.wire import (
     DecodedSample,
     Keys,
     decode_event,
+    decode_sample_batch,
     decode_samples,
     encode_event,
     encode_samples,
@@ -171,6 +172,61 @@ def test_a_bad_binary_embedding_costs_only_its_own_sample(emb_f32: Any, why: str
     assert isinstance(out[0], DecodedSample) and isinstance(out[2], DecodedSample)
     assert isinstance(out[1], SchemaError) and out[1].field == "samples[1].emb_f32"
     assert why in out[1].message
+
+
+def _as_compared(got: Any) -> Any:
+    """A decoded entry in plain values, embeddings as lists, errors as their text."""
+    if isinstance(got, Exception):
+        return ("error", type(got).__name__, str(got))
+    return [
+        ("error", str(d))
+        if isinstance(d, SchemaError)
+        else (d.sample, None if d.emb is None else np.asarray(d.emb).tolist(), d.emb_v)
+        for d in got
+    ]
+
+
+def _one_by_one(fields: dict[str, str]) -> Any:
+    try:
+        return decode_samples(fields)
+    except Exception as exc:
+        return exc
+
+
+def test_a_batch_decodes_as_its_entries_one_by_one() -> None:
+    """The service decodes a whole read at once, with one array for every binary embedding
+    in it: each entry must come out as it would alone, a bad embedding or a broken entry
+    costing only itself, and embeddings of another width (another schema) among them."""
+    wide = sample_payload(smp(device="gpu2"), [0.25, 0.5, 0.75], 1)
+    entries = [
+        entry([sample_payload(smp(), [0.5, 0.5], 1), raw(emb_f32=f32(float("nan")), emb_v=1)]),
+        {"v": "1", "node": "n1", "samples": "not json"},
+        entry([sample_payload(smp(device="gpu1"), [1.0, 2.0], 1), raw(emb=[0.1, 0.2], emb_v=1)]),
+        entry({"not": "a list"}),
+        entry([]),
+        entry([wide, raw(emb_f32="not base64!", emb_v=1), "no object"]),
+        {"v": "1", "node": "n1"},
+    ]
+    batch = decode_sample_batch(entries)
+    assert [_as_compared(b) for b in batch] == [_as_compared(_one_by_one(e)) for e in entries]
+    assert [isinstance(b, Exception) for b in batch] == [
+        False,
+        True,
+        False,
+        True,
+        False,
+        False,
+        True,
+    ]
+    first, third = batch[0], batch[2]
+    assert not isinstance(first, Exception) and not isinstance(third, Exception)
+    assert isinstance(first[0], DecodedSample) and np.asarray(first[0].emb).tolist() == [0.5, 0.5]
+    assert isinstance(first[1], SchemaError) and first[1].field == "samples[1].emb_f32"
+    assert isinstance(third[0], DecodedSample) and np.asarray(third[0].emb).tolist() == [1.0, 2.0]
+    sixth = batch[5]
+    assert not isinstance(sixth, Exception) and isinstance(sixth[0], DecodedSample)
+    assert np.asarray(sixth[0].emb).tolist() == [0.25, 0.5, 0.75]
+    assert decode_sample_batch([]) == []
 
 
 def test_a_binary_embedding_needs_its_schema_version() -> None:

@@ -52,3 +52,30 @@ def test_seen_finds_a_redelivered_point_and_stops_at_older_ones() -> None:
 def test_an_empty_ring_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         History(0)
+
+
+def test_a_point_packed_in_place_reads_back_as_the_array_writes_it() -> None:
+    """``append`` packs bytes where the record array would write them: what comes back
+    through the columns is what a record assignment gives, float32 rounding included, and a
+    risk or time to OOM past float32's range reads as infinity instead of failing."""
+    import math
+
+    import numpy as np
+
+    from oomcast.service.history import POINT
+
+    h = History(4)
+    values = [(1.25, 7, 9, 0.1, 33.3), (2.5, 0, 2**63 - 1, 1.0, None), (3.75, 5, 6, 1e40, 1e300)]
+    for v in values:
+        with np.errstate(over="ignore"):
+            h.append(*v)
+    expected = np.zeros(3, POINT)
+    with np.errstate(over="ignore"):
+        for i, (ts, used, total, risk, tto) in enumerate(values):
+            expected[i] = (ts, used, total, risk, math.nan if tto is None else tto)
+    got = h.columns()
+    for name in ("ts", "used", "total"):
+        assert got[name].tolist() == expected[name].tolist()
+    assert got["risk"].tolist() == expected["risk"].astype(np.float64).tolist()
+    assert got["risk"][2] == math.inf and got["tto"][2] == math.inf
+    assert math.isnan(got["tto"][1]) and h.points()[1].time_to_oom_s is None

@@ -88,6 +88,28 @@ def test_sample_optional_fields_default_to_none_and_are_left_out_of_to_dict() ->
     assert set(rec.to_dict()) == {"ts", "node", "device", "kind", "total_bytes", "used_bytes"}
 
 
+def test_a_sample_is_a_value_equal_and_hashed_by_its_fields() -> None:
+    """Samples are values (``record``): equal by field, hashable (they key sets), slotted,
+    and ``dataclasses.replace`` makes a new one; not frozen at run time, for speed, but
+    mypy refuses assignments to their fields."""
+    import dataclasses
+
+    a = parse_sample(raw_sample(job="j1", step=3))
+    b = parse_sample(raw_sample(job="j1", step=3))
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    c = dataclasses.replace(a, ts=T0 + 1)
+    assert c != a and c.ts == T0 + 1 and a.ts == T0 and len({a, b, c}) == 2
+    assert not hasattr(a, "__dict__")  # slotted: no per-sample dict
+    assert [f.name for f in dataclasses.fields(Sample)][:6] == [
+        "ts",
+        "node",
+        "device",
+        "kind",
+        "total_bytes",
+        "used_bytes",
+    ]
+
+
 def test_integer_ts_is_accepted_as_float() -> None:
     rec = parse_sample(raw_sample(ts=1_750_000_000))
     assert isinstance(rec.ts, float)

@@ -17,13 +17,13 @@ from typing import NamedTuple
 import numpy as np
 
 HISTORY_BYTES_PER_POINT = 32
-POINT = np.dtype(
+POINT = np.dtype(  # little-endian, as _PACK writes it, on any machine
     [
-        ("ts", np.float64),
-        ("used", np.int64),
-        ("total", np.int64),
-        ("risk", np.float32),
-        ("tto", np.float32),
+        ("ts", "<f8"),
+        ("used", "<i8"),
+        ("total", "<i8"),
+        ("risk", "<f4"),
+        ("tto", "<f4"),
     ]
 )
 assert POINT.itemsize == HISTORY_BYTES_PER_POINT

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +144,12 @@ def _bench_ingest(args: argparse.Namespace) -> int:
     (docs/bench.md)."""
     from oomcast.service.bench_ingest import IngestBenchError, bench_ingest
 
+    if args.plot and not args.soak:
+        raise UsageError("--plot draws a soak's RSS over time: give it with --soak")
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():
+        raise UsageError(f"--plot {args.plot}: its folder does not exist")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib: pip install 'oomcast[train]'")
     try:
         replicas = int(args.replicas or "1")
     except ValueError:
@@ -164,7 +172,11 @@ def _bench_ingest(args: argparse.Namespace) -> int:
         )
     except (ValueError, IngestBenchError) as exc:
         raise UsageError(str(exc)) from None
-    _print_figures(result, args.json)
+    _print_figures(result, args.json)  # first: a plot that fails loses no figure
+    if args.plot:
+        from oomcast.service.bench_plot import plot_soak
+
+        print(f"wrote {plot_soak(result, args.plot)}", file=sys.stderr)
     return 0
 
 
@@ -332,6 +344,7 @@ def add_bench_parser(sub: Any) -> None:
         help="ingest: write this many samples/s for --seconds and report latency (default: drain)",
     )
     b.add_argument("--soak", action="store_true", help="ingest: the rate mode, with RSS every 10 s")
+    b.add_argument("--plot", default=None, help="ingest --soak: write a PNG of RSS over time here")
     b.add_argument(
         "--partitions", type=int, default=4, help="ingest, cluster: sample-stream partitions"
     )

@@ -445,7 +445,8 @@ RUNS: dict[str, Run] = {
     "oomcast bench ingest --domains 5000 --workers 1 --json": Run(extra=SECONDS_1),
     "oomcast bench ingest --domains 2000 --rate 5000 --seconds 30": Run(extra=SECONDS_1),
     # the soak mode for 1 s, not 30 minutes: it starts, writes at the rate, reports RSS
-    "oomcast bench ingest --domains 2000 --rate 5000 --seconds 1800 --soak --json": Run(
+    "oomcast bench ingest --domains 2000 --rate 5000 --seconds 1800 --soak --plot soak-rss.png"
+    " --json": Run(
         extra=SECONDS_1
     ),
     "oomcast bench ingest --domains 5000 --seconds 6 --replicas 2 --json": Run(extra=SECONDS_1),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 from support import oomcast_cmd
@@ -92,3 +93,33 @@ def test_a_bad_rate_is_refused_with_its_value() -> None:
     )
     assert done.returncode == 2
     assert "--rate 0" in done.stderr
+
+
+def test_plot_without_soak_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    png = tmp_path / "rss.png"
+    done = subprocess.run(
+        oomcast_cmd("bench", "ingest", "--rate", "100", "--plot", str(png)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "--soak" in done.stderr
+    assert not png.exists()
+
+
+@pytest.mark.slow
+@needs_redis_server
+def test_a_soak_records_rss_every_10_s_and_plots_it(tmp_path: Path) -> None:
+    png = tmp_path / "rss.png"
+    r = _bench("--domains", "16", "--soak", "--rate", "400", "--seconds", "12", "--plot", str(png))
+    assert r["mode"] == "soak"
+    series = r["rss_series"]
+    assert isinstance(series, list)
+    times = [t for t, _ in series]
+    assert times[:2] == [0.0, pytest.approx(10.0, abs=1.0)] and times[-1] >= 12.0
+    assert times == sorted(times)
+    assert all(isinstance(mb, float) and mb > 10 for _, mb in series)
+    assert series[0][1] == r["rss_mb_start"] and series[-1][1] == r["rss_mb_end"]
+    assert r["samples_ingested"] == r["samples_written"] and r["deadletters"] == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from oomcast.model.wire import redact_url, redis_url_from_env
-from oomcast.service.cli_common import UsageError
+from oomcast.service.cli_common import UsageError, missing_extra
 from oomcast.service.settings import CommandEnv
 
 
@@ -149,7 +149,9 @@ def _bench_ingest(args: argparse.Namespace) -> int:
     if args.plot and not Path(args.plot).resolve().parent.is_dir():
         raise UsageError(f"--plot {args.plot}: its folder does not exist")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise UsageError("--plot needs matplotlib: pip install 'oomcast[train]'")
+        raise UsageError(
+            f"--plot needs matplotlib: pip install 'oomcast[{missing_extra('matplotlib')}]'"
+        )
     try:
         replicas = int(args.replicas or "1")
     except ValueError:

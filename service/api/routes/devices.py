@@ -156,7 +156,7 @@ async def list_devices(
     if request.headers.get(CURSORS_HEADER):  # asked by the front of `serve --workers`
         body["cursors"] = [encode_cursor(sort_key(st, horizon)) for st in page.page]
     # Serialised here, not by FastAPI's encoder, which walks every value of every summary;
-    # orjson, at a fifth of the json module's cost (a 1,000-row page is 0.6 MB)
+    # with orjson, not the json module, a 1,000-row page took 25 ms instead of 35 in process
     return Response(
         orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json"
     )

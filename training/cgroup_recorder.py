@@ -204,8 +204,10 @@ def record(
     cwd: Path | str | None = None,
     stdout: IO[Any] | int | None = None,
     stderr: IO[Any] | int | None = None,
+    cpus: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """Run ``cmd`` in a new memory cgroup limited to ``limit_bytes`` and record it.
+    """Run ``cmd`` in a new memory cgroup limited to ``limit_bytes`` and record it
+    (``cpus``: pin the command, and every process it starts, to those processors).
 
     Writes the trace to ``out`` (when given) and returns a summary: ``exit_code`` (negative:
     killed by that signal), ``oom``, ``oom_ts``, ``duration_s``, ``peak_bytes``, ``samples``,
@@ -225,6 +227,8 @@ def record(
     def join_cgroup() -> None:  # runs in the child between fork and exec
         with open(procs_file, "w") as fh:
             fh.write(str(os.getpid()))
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
 
     proc: subprocess.Popen[Any] | None = None
     pidfd: int | None = None

@@ -28,9 +28,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from oomcast.model.growth import GROWTH_FEATURES, GrowthTracker
 from oomcast.model.schema import Sample, parse_sample
 
-EMBEDDING_VERSION = 4
+EMBEDDING_VERSION = 5
 
 # Features of one sample and its predecessor (``embed``).
 INSTANT_FEATURES: tuple[str, ...] = (
@@ -74,6 +75,8 @@ CONTEXT_FEATURES: tuple[str, ...] = (
     "allocated_trend_300s_pct_per_s",  # 0 when allocated is not reported (or is the level)
     "time_to_full_allocated_300s",  # 1 when not reported
     "log1p_retries_per_min",  # allocator retries / failcnt, exponentially averaged
+    # growth beyond noise, from per-second buckets (``model/growth.py``)
+    *GROWTH_FEATURES,
 )
 TIME_TO_FULL_CAP_S = 3600.0
 FEATURES = INSTANT_FEATURES + CONTEXT_FEATURES
@@ -154,6 +157,7 @@ class EmbeddingState:
     max_peak: float = 0.0
     max_rise: float = 0.0
     retries_rate: float = 0.0  # per minute, exponentially averaged over ~60 s
+    growth: GrowthTracker = field(default_factory=GrowthTracker)
 
     def embed(self, sample: Sample) -> list[float]:
         vec = embed(sample, self.prev)
@@ -212,6 +216,7 @@ class EmbeddingState:
                 math.log1p(min(1e4, self.retries_rate)),
             )
         )
+        vec.extend(self.growth.update(sample.ts, level))
         return vec
 
     def to_dict(self) -> dict[str, Any]:
@@ -227,6 +232,7 @@ class EmbeddingState:
             "max_peak": self.max_peak,
             "max_rise": self.max_rise,
             "retries_rate": self.retries_rate,
+            "growth": self.growth.to_dict(),
         }
 
     @classmethod
@@ -248,6 +254,7 @@ class EmbeddingState:
             max_peak=finite_number(data.get("max_peak"), "max_peak"),
             max_rise=finite_number(data.get("max_rise"), "max_rise"),
             retries_rate=finite_number(data.get("retries_rate"), "retries_rate"),
+            growth=GrowthTracker.from_dict(data.get("growth")),
         )
 
 
@@ -289,6 +296,17 @@ def seconds_to_full(squashed: float) -> float:
 
 def _frac(value: int | None, total: int) -> tuple[float, float]:
     return (0.0, 0.0) if value is None else (value / total, 1.0)
+
+
+def level_frac(sample: Sample) -> float:
+    """The level the embedding forecasts, as a fraction of capacity: on a host domain its
+    anonymous memory plus whatever the peak saw above usage; on a GPU its peak (or use)."""
+    total = sample.total_bytes
+    used = sample.used_bytes / total
+    peak = used if sample.peak_bytes is None else sample.peak_bytes / total
+    if sample.kind == "host" and sample.allocated_bytes is not None:
+        return sample.allocated_bytes / total + max(0.0, peak - used)
+    return max(peak, used)
 
 
 def embed(sample: Sample, prev: Sample | None) -> list[float]:

@@ -1,12 +1,23 @@
-"""The forecasting network (torch): embedding -> LSTM -> survival head and time-to-OOM head.
+"""The forecasting network (torch): embedding -> LSTM -> a discrete-time hazard head.
 
-For every step the network outputs, per horizon bin (0-5 s, 5-15 s, ... 120-300 s), the
-hazard: the probability that the OOM falls in that bin given it has not happened before.
-Risk within horizon k is one minus the product of the survival of bins up to k. A second
-head estimates the time to the OOM (log seconds), trained only where an OOM followed: it
-answers "if this ends in an OOM, when?", and the runtime reports it only when the risk
-says an OOM is in sight. Risks are calibrated per horizon after training (Platt scaling on
-the validation split, ``calibrate``), then made non-decreasing across horizons.
+For every step the network outputs, per bin of the next five minutes (``BINS_S``: 0-5 s,
+5-10 s, ... 240-300 s), the hazard: the probability that the OOM falls in that bin given it
+has not happened before. The survival curve is the running product of one minus the
+hazards; the risk within a horizon is one minus the survival at its end. It is trained with
+the discrete-time survival likelihood (``hazard_loss``), in which a run that ended normally
+is *censored*: it says the job survived the bins that ended before its exit, and nothing of
+the later ones.
+
+The time to OOM is read from the same curve: the median of the OOM's time given that it
+comes within five minutes (``median_time``), interpolated within a bin at a constant hazard.
+The runtime reports it only where the risk says an OOM is in sight.
+
+Risks are calibrated per horizon after training (Platt scaling on the validation split,
+``calibrate``), made non-decreasing across horizons, and then passed through the evidence
+gate (``evidence_gate``), a fixed rule outside the network: no risk at a horizon before the
+level has grown beyond noise for 30 s with the projection's earliest time to the limit
+within that horizon, unless the domain is at the brink (98% of capacity, or allocation
+retries climbing above 90%).
 
 The LSTM steps at most once per ``tick_s`` of trace time (``docs/design.md``): a domain
 sampled at 10 Hz and one sampled at 1 Hz advance the same number of steps per minute, and
@@ -26,8 +37,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from oomcast.model.embedding import EMBEDDING_VERSION, N_FEATURES
+from oomcast.model.embedding import EMBEDDING_VERSION, FEATURES, LEVEL, N_FEATURES
 from oomcast.model.forecast import HORIZONS_S
+from oomcast.model.growth import squash_s
+
+# The hazard bins' ends (seconds); every reported horizon is one of them.
+BINS_S: tuple[int, ...] = (5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 240, 300)
+GATE_GROWTH_S = 30.0  # growth beyond noise needed before the gate opens
+BRINK_LEVEL = 0.98
+RETRIES_LEVEL = 0.9
+_AGE = FEATURES.index("log1p_growth_age_s")
+_TTL_LO = FEATURES.index("time_to_limit_lo")
+_RETRIES = FEATURES.index("log1p_retries_per_min")
 
 
 @dataclass
@@ -37,17 +58,26 @@ class NetConfig:
     hidden: int = 64
     layers: int = 2
     horizons_s: tuple[int, ...] = field(default_factory=lambda: HORIZONS_S)
+    bins_s: tuple[int, ...] = field(default_factory=lambda: BINS_S)
     embedding_version: int = EMBEDDING_VERSION
     tick_s: float = 1.0  # the LSTM advances once per tick of trace time, at most
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["horizons_s"] = list(self.horizons_s)
+        d["bins_s"] = list(self.bins_s)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> NetConfig:
-        return cls(**{**d, "horizons_s": tuple(d["horizons_s"])})
+        return cls(**{**d, "horizons_s": tuple(d["horizons_s"]), "bins_s": tuple(d["bins_s"])})
+
+    def horizon_bins(self) -> list[int]:
+        """Index of the bin each reported horizon ends."""
+        missing = [h for h in self.horizons_s if h not in self.bins_s]
+        if missing:
+            raise ValueError(f"horizons {missing} are not ends of the hazard bins {self.bins_s}")
+        return [self.bins_s.index(h) for h in self.horizons_s]
 
 
 class OOMForecastNet(nn.Module):
@@ -55,6 +85,7 @@ class OOMForecastNet(nn.Module):
     # nn.Module.__getattr__ may return
     x_mean: torch.Tensor
     x_scale: torch.Tensor
+    edges: torch.Tensor
     cal_a: torch.Tensor
     cal_b: torch.Tensor
 
@@ -65,8 +96,9 @@ class OOMForecastNet(nn.Module):
         self.register_buffer("x_scale", torch.ones(cfg.n_features))
         self.embed = nn.Sequential(nn.Linear(cfg.n_features, cfg.embed_dim), nn.GELU())
         self.lstm = nn.LSTM(cfg.embed_dim, cfg.hidden, cfg.layers, batch_first=True)
-        self.hazard = nn.Linear(cfg.hidden, len(cfg.horizons_s))
-        self.tto = nn.Linear(cfg.hidden, 1)  # log seconds to the OOM, if one follows
+        self.hazard = nn.Linear(cfg.hidden, len(cfg.bins_s))
+        self.register_buffer("edges", torch.tensor((0.0, *cfg.bins_s)))
+        self._reported = cfg.horizon_bins()
         self.register_buffer("cal_a", torch.ones(len(cfg.horizons_s)))
         self.register_buffer("cal_b", torch.zeros(len(cfg.horizons_s)))
 
@@ -77,20 +109,28 @@ class OOMForecastNet(nn.Module):
         self.x_mean.copy_(mean)
         self.x_scale.copy_(torch.where(scale < 1e-2, torch.ones_like(scale), scale))
 
-    def heads(
+    def hazard_logits(
         self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """x: (batch, time, features) -> (log P(no OOM within horizon k): (batch, time, H),
-        log seconds to the OOM: (batch, time), new state). Uncalibrated: for training."""
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x: (batch, time, features) -> (hazard logits per bin: (batch, time, bins), new
+        state)."""
         assert x.dim() == 3 and x.shape[-1] == self.cfg.n_features, x.shape
         # clipped: a value far outside anything seen in training saturates, never explodes
         z = self.embed(torch.clamp((x - self.x_mean) / self.x_scale, -8.0, 8.0))
         out, new_state = self.lstm(z, state)  # (batch, time, hidden)
-        logits = self.hazard(out)  # (batch, time, H)
-        # log(1 - sigmoid(l)) = -softplus(l); summed over bins: survival up to each horizon
-        log_s = torch.cumsum(-nn.functional.softplus(logits), dim=-1)
-        log_tto = self.tto(out).squeeze(-1)
-        return log_s, log_tto, new_state
+        return self.hazard(out), new_state
+
+    def heads(
+        self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x: (batch, time, features) -> (log P(no OOM within horizon k): (batch, time, H),
+        log seconds to the OOM (the survival curve's median): (batch, time), new state).
+        Uncalibrated and ungated."""
+        logits, new_state = self.hazard_logits(x, state)
+        # log(1 - sigmoid(l)) = -softplus(l); summed over bins: survival to each bin's end
+        log_s_bins = torch.cumsum(-nn.functional.softplus(logits), dim=-1)
+        log_s = log_s_bins[..., self._reported]
+        return log_s, torch.log(median_time(log_s_bins, self.edges)), new_state
 
     def log_survival(
         self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -112,8 +152,9 @@ class OOMForecastNet(nn.Module):
     def forward(
         self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Risk as the service reports it: calibrated, then gated (``evidence_gate``)."""
         log_s, _, new_state = self.heads(x, state)
-        return self.calibrated(log_s), new_state
+        return self.calibrated(log_s) * evidence_gate(x, self.cfg.horizons_s), new_state
 
     def zero_state(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.cfg.layers, batch, self.cfg.hidden)
@@ -134,14 +175,35 @@ class SequenceModule(nn.Module):
         self, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         log_s, log_tto, (h2, c2) = self.net.heads(x, (h, c))
-        return self.net.calibrated(log_s), torch.exp(log_tto.clamp(-2.0, 9.0)), h2, c2
+        risk = self.net.calibrated(log_s) * evidence_gate(x, self.net.cfg.horizons_s)
+        return risk, torch.exp(log_tto.clamp(-2.0, 9.0)), h2, c2
 
 
-def tto_loss(log_tto: torch.Tensor, tto_s: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """L1 on log seconds where ``mask`` marks a known time to OOM: its minimizer is the
-    median, so the error it leaves is a relative one."""
-    err = (log_tto - torch.log(tto_s.clamp(min=0.5))).abs()
-    return (err * mask).sum() / mask.sum().clamp(min=1.0)
+def median_time(log_s_bins: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+    """The median time of the OOM given it comes within the last bin, from the survival at
+    each bin's end (..., bins) and the bins' edges (0 and the ends): seconds (...). Within a
+    bin the hazard is taken as constant, so the curve is interpolated in log survival."""
+    f = 1.0 - torch.exp(log_s_bins)  # P(OOM by each bin's end)
+    g = f / f[..., -1:].clamp(min=1e-9)  # ... given it comes within the last one
+    g_prev = torch.cat([torch.zeros_like(g[..., :1]), g[..., :-1]], dim=-1)
+    crossed = (g >= 0.5) & (g_prev < 0.5)
+    frac = ((0.5 - g_prev) / (g - g_prev).clamp(min=1e-9)).clamp(0.0, 1.0)
+    t = edges[:-1] + frac * (edges[1:] - edges[:-1])
+    seconds = (t * crossed.to(t.dtype)).sum(-1)
+    return seconds.clamp(min=0.5)
+
+
+def evidence_gate(x: torch.Tensor, horizons_s: tuple[int, ...]) -> torch.Tensor:
+    """1 where a horizon may carry risk, from the raw features x (..., features): growth
+    beyond noise for ``GATE_GROWTH_S`` with the earliest projected time to the limit within
+    the horizon, or the brink (level at 98%, or allocation retries climbing above 90%).
+    Returns (..., horizons) of 0.0 / 1.0."""
+    level = x[..., LEVEL]
+    grown = x[..., _AGE] >= math.log1p(GATE_GROWTH_S) - 1e-4
+    brink = (level >= BRINK_LEVEL) | ((x[..., _RETRIES] > 0.05) & (level >= RETRIES_LEVEL))
+    limits = torch.tensor([squash_s(h) for h in horizons_s], dtype=x.dtype)
+    inside = x[..., _TTL_LO].unsqueeze(-1) <= limits + 1e-6
+    return ((grown.unsqueeze(-1) & inside) | brink.unsqueeze(-1)).to(x.dtype)
 
 
 def fit_calibration(
@@ -195,3 +257,34 @@ def survival_loss(
     log_risk = torch.log(-torch.expm1(torch.clamp(log_s, max=-1e-6)))
     per = -(pos_weight * labels * log_risk + (1 - labels) * log_s)
     return (per * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def hazard_targets(
+    tto_s: torch.Tensor, known_s: torch.Tensor, bins_s: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per tick, which bins it survived and which one its OOM fell in: (..., bins) masks.
+    ``tto_s``: seconds to the OOM (inf when none follows in the trace); ``known_s``: how
+    far ahead the trace knows the future (inf for a run that OOMs; for a run that ended
+    normally, the seconds to its end: a bin counts as survived only if it ends by then)."""
+    ends = torch.tensor(bins_s, dtype=tto_s.dtype)
+    starts = torch.cat([torch.zeros(1, dtype=tto_s.dtype), ends[:-1]])
+    t = tto_s.unsqueeze(-1)
+    event = (t > starts) & (t <= ends) | ((t <= 0) & (starts == 0))
+    survived = ends <= torch.minimum(t, known_s.unsqueeze(-1))
+    survived = survived & ~event & (ends < t)
+    return survived.to(tto_s.dtype), event.to(tto_s.dtype)
+
+
+def hazard_loss(
+    logits: torch.Tensor,
+    survived: torch.Tensor,
+    event: torch.Tensor,
+    weight: torch.Tensor,
+    pos_weight: float = 1.0,
+) -> torch.Tensor:
+    """The discrete-time survival likelihood: log(1 - h) for every bin a tick is known to
+    have survived, log h for the bin its OOM fell in; ``weight`` (..., ) weighs each tick
+    (0 for padding or warm-up). Averaged over the weighted ticks."""
+    logsig = nn.functional.logsigmoid
+    per = -(survived * logsig(-logits) + pos_weight * event * logsig(logits)).sum(-1)
+    return (per * weight).sum() / weight.sum().clamp(min=1.0)

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 PROG = "oomcast"
 REPO = Path(__file__).resolve().parents[1]
-CORPUS_TRACES = REPO / "training" / "traces" / "corpus"
+CORPUS_TRACES = REPO / "training" / "traces" / "corpus"  # the first, shorter runs
+JOBS_TRACES = REPO / "training" / "traces" / "jobs"  # the corpus of real jobs
 HOST_TRACES = REPO / "training" / "traces" / "host"
 SHIPPED_MODEL = REPO / "model" / "oomcast-lstm.onnx"  # model/runtime.DEFAULT_MODEL, torch-free
 

@@ -14,6 +14,7 @@ from oomcast.model.wire import redact_url, redis_url_from_env
 from oomcast.service.cli_common import (
     CORPUS_TRACES,
     HOST_TRACES,
+    JOBS_TRACES,
     PROG,
     SHIPPED_MODEL,
     UsageError,
@@ -90,8 +91,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         path = Path(given)
         if path.is_dir():
             found = find_traces(path)
+            if args.split is not None:
+                found = _in_split(path, args.split, found)
             if not found:
-                raise UsageError(f"--traces {given}: no traces (*.jsonl, *.jsonl.gz) in it")
+                raise UsageError(f"--traces {given}: no traces (*.jsonl, *.jsonl.gz) in it"
+                                 + (f" of split {args.split}" if args.split else ""))  # fmt: skip
             paths += found
         elif path.is_file():
             paths.append(path)
@@ -118,6 +122,16 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         json.dumps(result, indent=None if args.json else 1) if args.json else format_table(result)
     )
     return 0
+
+
+def _in_split(folder: Path, split: str, found: list[Path]) -> list[Path]:
+    """The traces of ``found`` that the folder's manifest puts in ``split``."""
+    manifest = folder / "manifest.json"
+    if not manifest.is_file():
+        raise UsageError(f"--split {split}: {folder} has no manifest.json naming splits")
+    runs = json.loads(manifest.read_text()).get("runs", [])
+    names = {r["file"] for r in runs if isinstance(r, dict) and r.get("split") == split}
+    return [p for p in found if p.name in names]
 
 
 def _model_detector(path: str | None) -> Any:
@@ -147,6 +161,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     corpus = Path(args.corpus) if args.corpus else None
     if corpus is not None and not (corpus / "manifest.json").is_file():
         raise UsageError(f"--corpus {corpus}: no manifest.json there")
+    corpus_v1 = Path(args.corpus_v1) if args.corpus_v1 else None
+    if corpus_v1 is not None and not (corpus_v1 / "manifest.json").is_file():
+        raise UsageError(f"--corpus-v1 {corpus_v1}: no manifest.json there")
     host = Path(args.host_traces) if args.host_traces else None
     if host is not None and not host.is_dir():
         raise UsageError(f"--host-traces {host}: no such folder")
@@ -157,6 +174,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     sources = Sources(
         sim=sim,
         corpus=corpus,
+        corpus_v1=corpus_v1,
         host=host,
         extra=[f for p in extra for f in (find_traces(p) if p.is_dir() else [p])],
         shapes=args.shapes,
@@ -262,6 +280,11 @@ def add_parsers(sub: Any) -> None:
     )
     e.add_argument("--min-lead", type=float, default=10.0, help="seconds of warning that count")
     e.add_argument(
+        "--split",
+        choices=["train", "val", "test"],
+        help="of a folder whose manifest.json splits its runs (a corpus), only this split",
+    )
+    e.add_argument(
         "--view",
         choices=["full", "nvml"],
         default="full",
@@ -306,8 +329,14 @@ def add_parsers(sub: Any) -> None:
     )
     t.add_argument(
         "--corpus",
+        default=str(JOBS_TRACES),
+        help="the corpus of real jobs, split by program ('' for none; default: %(default)s)",
+    )
+    t.add_argument(
+        "--corpus-v1",
         default=str(CORPUS_TRACES),
-        help="the recorded real-run corpus, split by program ('' for none; default: %(default)s)",
+        help="the first, shorter real-run corpus: its runs of programs the main corpus trains"
+        " on are added to training ('' for none; default: %(default)s)",
     )
     t.add_argument(
         "--host-traces",

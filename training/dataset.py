@@ -4,11 +4,17 @@ Every sample of a trace is embedded (the embedding's fits run in trace time), an
 the network ticks at (``tick_rows``: about one per second of trace time) become the
 sequence, exactly as the runtime steps a live domain.
 
-For a sample at ``ts`` of a domain that OOMs at ``T``, the label at horizon ``h`` is
-``T - ts <= h``. For a domain that never OOMs, the label is 0 only where the trace runs at
-least ``h`` past ``ts``; near its end the future is unknown and the entry is masked out,
-so the model is not taught that every trace's last minutes are safe, unless the trace says
-the job ended normally (an ``exit`` event): then every label up to the exit is a known 0.
+For a sample at ``ts`` of a domain that OOMs at ``T``, the time to OOM is ``T - ts`` and
+the label at horizon ``h`` is ``T - ts <= h``. A domain that never OOMs is *censored* at
+its end, whether the job exited normally (an ``exit`` event) or the recording stopped: a
+job that ends while climbing has not shown that it was safe, only that it survived until
+then. So its label at ``h`` is a known 0 only where the trace runs at least ``h`` past
+``ts`` (``known_s``: seconds of known future per tick); the discrete-time survival loss
+takes from it exactly the bins that end before its end.
+
+Each sequence also carries what the scoring classes need: when its OOM came after the
+domain's first sample, the highest level it reached (near misses come within 10% of the
+limit), and how long it ran.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from oomcast.model import embedding as embedding_module
-from oomcast.model.embedding import EMBEDDING_VERSION, EmbeddingState, tick_rows
+from oomcast.model.embedding import EMBEDDING_VERSION, EmbeddingState, level_frac, tick_rows
 from oomcast.model.forecast import HORIZONS_S
 from oomcast.model.trace import Trace, find_traces, load_trace, nvml_view
 
@@ -44,6 +50,13 @@ class Sequence:
     tto: np.ndarray  # (time,) float64: seconds to the OOM, inf when none follows
     ooms: bool
     group: str = ""  # the source it came from (training weighs and scores by it)
+    known: np.ndarray | None = None  # (time,) seconds of known future; None: all of it
+    oom_after_s: float | None = None  # the OOM, in seconds after the domain's first sample
+    max_level: float = 0.0  # the highest level reached, as a fraction of capacity
+    span_s: float = 0.0  # first sample to the end (the OOM, the exit or the last sample)
+
+    def known_s(self) -> np.ndarray:
+        return np.full(len(self.tto), np.inf) if self.known is None else self.known
 
 
 def sequences_of(path: Path, view: str = "full") -> list[Sequence]:
@@ -78,20 +91,30 @@ def sequences_of_trace(trace: Trace, name: str, view: str = "full") -> list[Sequ
         rows = tick_rows([s.ts for s in samples], TICK_S)
         x = np.asarray([emb[i] for i in rows], dtype=np.float32)
         ts = np.asarray([samples[i].ts for i in rows], dtype=np.float64)
+        first = samples[0].ts
         if oom_ts is not None:
             tto = oom_ts - ts
-            y = (tto[:, None] <= H[None, :]).astype(np.float32)
-            m = np.ones_like(y)
-        else:
+            known = np.full(len(ts), np.inf)
+            last = oom_ts
+        else:  # censored at its end, however it ended
             tto = np.full(len(ts), np.inf)
-            y = np.zeros((len(ts), len(H)), dtype=np.float32)
-            if exit_ts is not None:  # the job ended normally: no OOM at any horizon
-                m = np.ones_like(y)
-            else:  # the trace just stops: the last h seconds cannot say
-                m = ((ts[-1] - ts)[:, None] >= H[None, :]).astype(np.float32)
+            last = exit_ts if exit_ts is not None else samples[-1].ts
+            known = last - ts
+        y, m = labels(tto, known)
         suffix = "" if view == "full" else f"~{view}"
-        out.append(Sequence(f"{name}:{domain[1]}{suffix}", x, y, m, tto, oom_ts is not None))
+        out.append(Sequence(
+            f"{name}:{domain[1]}{suffix}", x, y, m, tto, oom_ts is not None, known=known,
+            oom_after_s=None if oom_ts is None else oom_ts - first,
+            max_level=max(level_frac(s) for s in samples), span_s=last - first,
+        ))  # fmt: skip
     return out
+
+
+def labels(tto: np.ndarray, known: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per tick and horizon: (OOM within it, whether that is known) as float32 arrays."""
+    y = tto[:, None] <= H[None, :]
+    m = y | (known[:, None] >= H[None, :])
+    return y.astype(np.float32), m.astype(np.float32)
 
 
 def load_folder(
@@ -165,18 +188,25 @@ def _to_npz(path: Path, seqs: list[Sequence]) -> None:
         y=np.concatenate([s.y for s in seqs]),
         m=np.concatenate([s.m for s in seqs]),
         tto=np.concatenate([s.tto for s in seqs]),
+        known=np.concatenate([s.known_s() for s in seqs]),
+        oom_after_s=np.asarray([np.nan if s.oom_after_s is None else s.oom_after_s for s in seqs]),
+        max_level=np.asarray([s.max_level for s in seqs]),
+        span_s=np.asarray([s.span_s for s in seqs]),
     )
 
 
 def _from_npz(path: Path) -> list[Sequence]:
     with np.load(path) as z:  # each z[key] decompresses anew: read every array once
         names, lengths, ooms = z["names"], z["lengths"], z["ooms"]
-        x, y, m, tto = z["x"], z["y"], z["m"], z["tto"]
+        x, y, m, tto, known = z["x"], z["y"], z["m"], z["tto"], z["known"]
+        after, top, span = z["oom_after_s"], z["max_level"], z["span_s"]
     bounds = np.concatenate([[0], np.cumsum(lengths)])
     return [
-        Sequence(str(names[i]), x[a:b], y[a:b], m[a:b], tto[a:b], bool(ooms[i]))
+        Sequence(str(names[i]), x[a:b], y[a:b], m[a:b], tto[a:b], bool(ooms[i]), known=known[a:b],
+                 oom_after_s=None if np.isnan(after[i]) else float(after[i]),
+                 max_level=float(top[i]), span_s=float(span[i]))
         for i, (a, b) in enumerate(itertools.pairwise(bounds))
-    ]
+    ]  # fmt: skip
 
 
 def normalization(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:

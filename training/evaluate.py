@@ -7,6 +7,12 @@ is the share of OOM traces alerted at least ``min_lead_s`` ahead. ``median_lead_
 median lead over OOM traces that were alerted before the OOM at all (null if none were). A
 false alarm is an OOM-free trace with any alert, on any domain.
 
+Every trace is also given a class (``training/classes.py``): a long or short OOM (60 s or
+more after its first sample, or less), a near miss (never OOMed, came within 10% of its
+limit), an ordinary run, or a censored one (never OOMed, and the detector's first alert
+came in its last 60 s: its future is unknown). ``classes`` in each detector's summary
+scores them as the product's goals are set; ``--per-trace`` lines carry the ``class``.
+
 Beside those, each detector's time-to-OOM forecast is checked on the OOM domain at the last
 sample at or before 60, 30 and 10 s ahead of the OOM (``tto_rel_err_<N>s``: the relative
 error ``|predicted - true| / true`` over OOM traces where a forecast was made that early and
@@ -32,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from oomcast.model.embedding import level_frac
 from oomcast.model.events import ScheduleEvent
 from oomcast.model.forecast import Detector, Forecast, release_state
 from oomcast.model.phase import PhaseState, merge
@@ -43,6 +50,7 @@ from oomcast.model.trace import (
     find_traces,
     load_trace,
 )
+from oomcast.training.classes import ClassScore, format_classes, run_class
 from oomcast.training.progress import bar
 
 # Seconds before the OOM at which the time-to-OOM forecast is checked, latest last.
@@ -81,6 +89,15 @@ class TraceResult:
     # seconds ahead -> (predicted time to OOM or None, true time to OOM), on the OOM domain
     tto_at: dict[int, tuple[float | None, float]] = field(default_factory=dict)
     cause: str | None = None
+    first_ts: float = 0.0  # the run's first sample (on an OOM run: the OOM domain's)
+    end_ts: float = 0.0  # the OOM, the exit, or the last sample
+    max_level: float = 0.0  # the highest level of any domain, as a fraction of capacity
+
+    @property
+    def run_class(self) -> str:
+        first = None if self.first_alert_ts is None else self.first_alert_ts - self.first_ts
+        oom_after = None if self.oom_ts is None else self.oom_ts - self.first_ts
+        return run_class(oom_after, self.max_level, self.end_ts - self.first_ts, first)
 
     @property
     def lead_s(self) -> float | None:
@@ -106,6 +123,9 @@ class TraceResult:
                 for h, (pred, true) in self.tto_at.items()
             },
             "cause": self.cause,
+            "class": self.run_class,
+            "span_s": round(self.end_ts - self.first_ts, 3),
+            "max_level": round(self.max_level, 4),
         }
 
 
@@ -119,8 +139,11 @@ class Score:
     # seconds ahead -> relative errors of the non-null forecasts / count of null ones
     tto_rel_err: dict[int, list[float]] = field(default_factory=dict)
     tto_missing: dict[int, int] = field(default_factory=dict)
+    classes: ClassScore = field(default_factory=ClassScore)
 
     def add(self, result: TraceResult) -> None:
+        self.classes.add(result.run_class, result.lead_s, result.first_alert_ts is not None,
+                         result.end_ts - result.first_ts)  # fmt: skip
         if not result.oom:
             self.ok_traces += 1
             self.false_alarms += result.false_alarm
@@ -157,6 +180,7 @@ class Score:
         }
         for h in TTO_AT_S:
             out[f"tto_rel_err_{h}s"] = self.tto_summary(h)
+        out["classes"] = self.classes.summary()
         return out
 
 
@@ -261,10 +285,16 @@ def score_trace(
     def scheds(domain: Domain) -> list[ScheduleEvent]:
         return schedules_of(trace, domain) if phases else []
 
+    starts = [ss[0].ts for ss in trace.samples.values() if ss]
+    top = max((level_frac(s) for ss in trace.samples.values() for s in ss), default=0.0)
     if not trace.ooms:
         alerts = [first_alert_ts(detector, ss, None, scheds(d)) for d, ss in trace.samples.items()]
         first = min((a for a in alerts if a is not None), default=None)
-        return TraceResult(name, detector.name, False, None, first, first is not None, {}, cause)
+        exits = [e.ts for e in trace.events if e.event == "exit"]
+        last = max((ss[-1].ts for ss in trace.samples.values() if ss), default=0.0)
+        return TraceResult(name, detector.name, False, None, first, first is not None, {}, cause,
+                           first_ts=min(starts, default=0.0), end_ts=max([last, *exits]),
+                           max_level=top)  # fmt: skip
     # Several domains may OOM: score the one alerted with the longest lead (the trace counts
     # as caught if any was), or, when none was, the one that OOMed first.
     chosen: TraceResult | None = None
@@ -274,14 +304,17 @@ def score_trace(
             continue
         alert, at = scan_domain(detector, samples, oom_ts, TTO_AT_S, scheds(domain))
         tto = {h: (at[h][1], oom_ts - at[h][0]) for h in TTO_AT_S if h in at}
-        result = TraceResult(name, detector.name, True, oom_ts, alert, False, tto, cause)
+        first_ts = samples[0].ts if samples else oom_ts
+        result = TraceResult(name, detector.name, True, oom_ts, alert, False, tto, cause,
+                             first_ts=first_ts, end_ts=oom_ts, max_level=top)  # fmt: skip
         if chosen is None or _scores_better(result, chosen):
             chosen = result
     if chosen is not None:
         return chosen
     # an OOM event on a domain with no samples: nothing to alert on
     oom_ts = min(e.ts for e in trace.events if e.event == "oom")
-    return TraceResult(name, detector.name, True, oom_ts, None, False, {}, cause)
+    return TraceResult(name, detector.name, True, oom_ts, None, False, {}, cause,
+                       first_ts=min(starts, default=oom_ts), end_ts=oom_ts, max_level=top)
 
 
 def _scores_better(a: TraceResult, b: TraceResult) -> bool:
@@ -430,6 +463,7 @@ def _sudden(cause_scores: dict[str, dict[str, Score]], names: list[str]) -> dict
                 p.tto_rel_err.setdefault(h, []).extend(errs)
             for h, n in score.tto_missing.items():
                 p.tto_missing[h] = p.tto_missing.get(h, 0) + n
+            p.classes.merge(score.classes)
     return pooled
 
 
@@ -465,6 +499,9 @@ def _table(detectors: dict[str, Any]) -> list[str]:
 
 def format_table(result: dict[str, Any]) -> str:
     lines = _table(result["detectors"])
+    lines.append("")
+    for name, s in result["detectors"].items():
+        lines += format_classes(name, s["classes"])
     for cause, dets in result.get("by_cause", {}).items():
         lines += ["", f"cause: {cause}", *_table(dets)]
     if SUDDEN in result:

@@ -1,14 +1,23 @@
 """Train the LSTM forecaster (``oomcast train``).
 
 Reads its sources (``Sources``): the simulated GPU splits of ``oomcast simulate`` (as the
-hook and as NVML alone see them), the recorded real-run corpus split by program (at 10 Hz
-and seen at 1 Hz), the first host traces and plain shapes. Every sequence is run from its
-first tick, as the service runs a domain; the exposure is the traces' own (most ticks are
-far from any OOM), with runs that never OOM drawn twice as often. After each epoch the
-risks are calibrated per horizon on the validation split, and the alert rule (horizon, risk
-fire_risk, consecutive ticks) is chosen there, under a false-alarm ceiling that holds for
-every validation source. Weights, calibration, optimizer, config, feature-schema version
-and rule are saved together, so a checkpoint explains itself.
+hook and as NVML alone see them), the recorded corpus of real jobs split by program (at 10 Hz
+and seen at 1 Hz), the runs of the first, shorter corpus whose programs are trained on
+(``corpus_v1``), the first host traces and plain shapes.
+
+Every sequence is run from its first tick, as the service runs a domain, and every second of
+it counts the same (sequences are drawn in proportion to their length: the exposure of a
+fleet, where most seconds are far from any OOM). The loss is the discrete-time survival
+likelihood (``model/network.py``): a run that never OOMed is censored at its end, so it
+says nothing of the seconds after it.
+
+After each epoch the risks are calibrated per horizon on the validation split, gated as the
+service gates them, and the alert rule (horizon, fire_risk) is chosen there by the scoring
+classes of ``training/classes.py``: the rule that warns the most long OOMs 30 s ahead while
+at most 2% of the ordinary runs of *every* validation group get an alert and at most half
+of the near misses do (censored alerts count as neither). Weights, calibration, optimizer,
+config, feature-schema version, rule and the validation figures that chose it are saved
+together, so a checkpoint explains itself.
 """
 
 from __future__ import annotations
@@ -26,11 +35,13 @@ from oomcast.model.forecast import HORIZONS_S
 from oomcast.model.network import (
     NetConfig,
     OOMForecastNet,
+    evidence_gate,
     fit_calibration,
-    survival_loss,
-    tto_loss,
+    hazard_loss,
+    hazard_targets,
 )
 from oomcast.model.trace import find_traces
+from oomcast.training.classes import CENSOR_S, LONG_AFTER_S, NEAR_LEVEL
 from oomcast.training.dataset import (
     Sequence,
     load_folder,
@@ -48,10 +59,12 @@ class ScoredRule:
 
     horizon_s: int
     fire_risk: float
-    recall_30: float
+    recall_30: float  # long OOMs warned 30 s ahead
     recall_10: float
-    false_alarm_rate: float
+    false_alarm_rate: float  # the worst validation group's share of ordinary runs alerted
     fire_after: int = 1  # consecutive samples at or above fire_risk
+    near_miss_warned: float = 0.0  # share of near misses alerted
+    figures: dict[str, Any] = field(default_factory=dict)  # what chose it, per group
 
 
 # Rules fire on one tick: a rule counted in consecutive samples would mean 0.2 s at 10 Hz and
@@ -65,8 +78,9 @@ def predict_sequences(
     raw: bool = False,
     tto: bool = False,
 ) -> list[np.ndarray]:
-    """Risk (time, H) for every sequence, run from its first tick as the service would;
-    ``raw``: log survival before calibration instead; ``tto``: seconds to OOM (time,)."""
+    """Risk (time, H) for every sequence, run from its first tick as the service would
+    (calibrated and passed through the evidence gate); ``raw``: log survival before
+    calibration and gate instead; ``tto``: seconds to OOM (time,), the curve's median."""
     net.eval()
     out: list[np.ndarray] = []
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].x))
@@ -78,11 +92,14 @@ def predict_sequences(
             x = np.zeros((len(idx), t_max, seqs[0].x.shape[1]), np.float32)
             for j, i in enumerate(idx):
                 x[j, : len(seqs[i].x)] = seqs[i].x
-            log_s, log_tto, _ = net.heads(torch.from_numpy(x))
+            xt = torch.from_numpy(x)
+            log_s, log_tto, _ = net.heads(xt)
             if tto:
                 val = torch.exp(log_tto.clamp(-2.0, 9.0))
+            elif raw:
+                val = log_s
             else:
-                val = log_s if raw else net.calibrated(log_s)
+                val = net.calibrated(log_s) * evidence_gate(xt, net.cfg.horizons_s)
             for j, i in enumerate(idx):
                 results[i] = val[j, : len(seqs[i].x)].numpy()
     out = [results[i] for i in range(len(seqs))]
@@ -90,43 +107,58 @@ def predict_sequences(
 
 
 def score_rules(
-    seqs: list[Sequence], risks: list[np.ndarray], max_false_alarms: float = 0.02
+    seqs: list[Sequence],
+    risks: list[np.ndarray],
+    max_false_alarms: float = 0.02,
+    max_near_warned: float = 0.5,
 ) -> list[ScoredRule]:
-    """For every horizon, the lowest risk threshold that alerts on at most
-    ``max_false_alarms`` of the OOM-free sequences of *every* group (a rule must be quiet on
-    each source), and the recall at 30 s and 10 s it buys, counted as ``oomcast evaluate``
-    counts them (one tick at the threshold is an alert). The threshold is read off the
-    sequences' own highest risks, so it is exact whatever the scale of the risks."""
-    ooms = [i for i, s in enumerate(seqs) if s.ooms]
+    """For every horizon, the lowest risk that alerts on at most ``max_false_alarms`` of the
+    ordinary runs of *every* group and on at most ``max_near_warned`` of the near misses,
+    and what it buys on the long OOMs, counted as ``oomcast evaluate`` counts them (the
+    first tick at the risk is the alert; an alert in a censored run's last minute is
+    neither a hit nor a false alarm). Thresholds are read off the runs' own highest risks,
+    so the answer is exact whatever the scale of the risks."""
+    long_ooms = [i for i, s in enumerate(seqs) if s.ooms and (s.oom_after_s or 0) >= LONG_AFTER_S]
     groups: dict[str, list[int]] = {}
+    near: list[int] = []
     for i, s in enumerate(seqs):
         if not s.ooms:
-            groups.setdefault(s.group, []).append(i)
+            (near if s.max_level >= NEAR_LEVEL else groups.setdefault(s.group, [])).append(i)
     rules = []
     for k, h in enumerate(HORIZONS_S):
+
+        def top(i: int, k: int = k) -> float:  # the highest risk before the run's last minute
+            early = seqs[i].known_s() >= CENSOR_S
+            r = risks[i][early, k]
+            return float(r.max()) if len(r) else 0.0
+
         fire_risk = MIN_THRESHOLD
-        for ids in groups.values():
-            highs = np.sort([float(risks[i][:, k].max()) for i in ids])[::-1]
+        for ids in [*groups.values(), near]:
+            highs = np.sort([top(i) for i in ids])[::-1]
+            share = max_near_warned if ids is near else max_false_alarms
             # at most that share, rounded to the nearest run: one alarm in 37 runs is 2.7%,
             # and a group of 37 must not be held to none when the ceiling is 2%
-            allowed = int(np.floor(max_false_alarms * len(ids) + 0.5))
+            allowed = int(np.floor(share * len(ids) + 0.5))
             if allowed < len(highs):
                 fire_risk = max(fire_risk, float(highs[allowed]) + 1e-6)
         fire_risk = min(fire_risk, 1.0)
-        fa = max(
-            (sum(1 for i in ids if risks[i][:, k].max() >= fire_risk) / len(ids)
-             for ids in groups.values()),
-            default=0.0,
-        )  # fmt: skip
+        per_group = {g: sum(top(i) >= fire_risk for i in ids) / len(ids)
+                     for g, ids in groups.items()}  # fmt: skip
+        warned_near = sum(top(i) >= fire_risk for i in near) / len(near) if near else 0.0
         caught30 = caught10 = 0
-        for i in ooms:
+        for i in long_ooms:
             fired = risks[i][:, k] >= fire_risk
             lead = seqs[i].tto[fired]
             if len(lead):
                 caught30 += bool(lead.max() >= 30)
                 caught10 += bool(lead.max() >= 10)
-        n = max(1, len(ooms))
-        rules.append(ScoredRule(h, round(fire_risk, 6), caught30 / n, caught10 / n, fa, 1))
+        n = max(1, len(long_ooms))
+        figures = {"long_ooms": len(long_ooms), "near_misses": len(near),
+                   "ordinary": {g: len(ids) for g, ids in groups.items()},
+                   "false_alarm_rate": {g: round(v, 4) for g, v in per_group.items()}}  # fmt: skip
+        rules.append(ScoredRule(h, round(fire_risk, 6), caught30 / n, caught10 / n,
+                                max(per_group.values(), default=0.0), 1, warned_near,
+                                figures))  # fmt: skip
     return rules
 
 
@@ -144,7 +176,8 @@ def best_rule(rules: list[ScoredRule], max_false_alarms: float) -> ScoredRule:
     """The rule that catches most OOMs 30 s ahead (then 10 s ahead). ``score_rules`` already
     holds every rule to the false-alarm ceiling (rounded to the nearest run per group);
     rules from elsewhere over ``max_false_alarms`` by more than that rounding are left out."""
-    ok = [r for r in rules if r.false_alarm_rate <= max(max_false_alarms, 0.03)]
+    ok = [r for r in rules if r.false_alarm_rate <= max(max_false_alarms, 0.03)
+          and r.near_miss_warned <= 0.5 + 1e-9]  # fmt: skip
     if not ok:
         return min(rules, key=lambda r: (r.false_alarm_rate, -r.recall_30))
     return max(
@@ -158,7 +191,10 @@ class Sources:
     """Where training and validation traces come from; a None source is left out."""
 
     sim: Path | None = None  # a folder written by ``oomcast simulate`` (train/ and val/)
-    corpus: Path | None = None  # the recorded corpus (``record_corpus``), split by program
+    corpus: Path | None = None  # the corpus of real jobs (``training/corpus``), by program
+    # the first, shorter corpus (``record_corpus``): its runs of programs the main corpus
+    # trains on (none of its validation or test programs), for training only
+    corpus_v1: Path | None = None
     host: Path | None = None  # the first recorded host traces (``record_host``): training
     extra: list[Path] = field(default_factory=list)  # more trace files for training
     shapes: int = 1200  # plain shapes (``training/shapes.py``) in training; a quarter in val
@@ -185,8 +221,8 @@ def cause_of(name: str) -> str:
 # How often a sequence of each source is drawn, relative to a simulated one. Real runs are
 # few and are what the model will meet; sequences that never OOM are drawn twice as often
 # as those that do, so the exposure is closer to a fleet's, where most jobs never OOM.
-SOURCE_WEIGHTS = {"sim": 1.0, "corpus": 6.0, "host": 3.0, "extra": 3.0, "shapes": 1.5}
-OK_WEIGHT = 2.0
+SOURCE_WEIGHTS = {"sim": 1.0, "corpus": 4.0, "corpus_v1": 2.0, "host": 2.0, "extra": 3.0,
+                  "shapes": 1.0}  # fmt: skip
 
 
 def load_sources(
@@ -218,6 +254,14 @@ def load_sources(
                 f"corpus:{view}")  # fmt: skip
             add(val_seqs, load_paths(corpus_paths(src.corpus, "val"), cache, view=view),
                 f"corpus:{view}")  # fmt: skip
+    if src.corpus_v1 is not None:
+        from oomcast.training.corpus.plan import SPLITS as JOB_SPLITS
+
+        held_out = set(JOB_SPLITS["val"]) | set(JOB_SPLITS["test"])
+        runs = json.loads((src.corpus_v1 / "manifest.json").read_text())["runs"]
+        paths = [src.corpus_v1 / r["file"] for r in runs if r["program"] not in held_out]
+        for view in ("full", "1hz"):
+            add(train_seqs, load_paths(paths, cache, view=view), f"corpus_v1:{view}")
     if src.host is not None:
         add(train_seqs, load_paths(find_traces(src.host), cache), "host")
     if src.extra:
@@ -252,10 +296,14 @@ def _batches(
     max_ticks: int,
     rng: np.random.Generator,
 ) -> list[list[tuple[Sequence, int, int]]]:
-    """``n`` draws of (sequence, start, end) grouped by length into batches. A sequence
-    longer than ``max_ticks`` is cut: its start half the time (as the service meets a job),
-    else the stretch that ends with its end (an OOM, if it has one)."""
-    picks = rng.choice(len(seqs), size=n, p=weights / weights.sum())
+    """``n`` draws of (sequence, start, end) grouped by length into batches. A sequence is
+    drawn in proportion to its ticks (times its source's weight): every second of every run
+    counts the same. One longer than ``max_ticks`` is cut: its start half the time (as the
+    service meets a job), else a stretch that ends at a random tick in its last two thirds
+    (the end of the run, its OOM if it has one, as often as not)."""
+    ticks = np.asarray([len(s.x) for s in seqs], dtype=np.float64)
+    p = weights * ticks
+    picks = rng.choice(len(seqs), size=n, p=p / p.sum())
     spans = []
     for i in picks:
         s = seqs[int(i)]
@@ -265,7 +313,8 @@ def _batches(
         elif rng.random() < 0.5:
             spans.append((s, 0, max_ticks))
         else:
-            spans.append((s, length - max_ticks, length))
+            end = length if rng.random() < 0.5 else int(rng.integers(max_ticks, length + 1))
+            spans.append((s, end - max_ticks, end))
     spans.sort(key=lambda sp: sp[2] - sp[1])
     out = [spans[a : a + batch] for a in range(0, len(spans), batch)]
     rng.shuffle(out)
@@ -278,20 +327,21 @@ WARM_UP_TICKS = 60  # a cut that does not start at the job's start: its first mi
 def _stack(
     group: list[tuple[Sequence, int, int]],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(x, seconds to OOM, seconds of known future, tick weights) of a batch, padded."""
     t_max = max(b - a for _, a, b in group)
-    n_feat, n_h = group[0][0].x.shape[1], group[0][0].y.shape[1]
+    n_feat = group[0][0].x.shape[1]
     xs = np.zeros((len(group), t_max, n_feat), np.float32)
-    ys = np.zeros((len(group), t_max, n_h), np.float32)
-    ms = np.zeros((len(group), t_max, n_h), np.float32)
     tto = np.full((len(group), t_max), np.inf, np.float32)
+    known = np.zeros((len(group), t_max), np.float32)
+    wts = np.zeros((len(group), t_max), np.float32)
     for j, (s, a, b) in enumerate(group):
         xs[j, : b - a] = s.x[a:b]
-        ys[j, : b - a] = s.y[a:b]
-        ms[j, : b - a] = s.m[a:b]
         tto[j, : b - a] = s.tto[a:b]
+        known[j, : b - a] = s.known_s()[a:b]
+        wts[j, : b - a] = 1.0
         if a > 0:
-            ms[j, :WARM_UP_TICKS] = 0.0
-    return xs, ys, ms, tto
+            wts[j, :WARM_UP_TICKS] = 0.0
+    return xs, tto, known, wts
 
 
 def train(
@@ -304,9 +354,7 @@ def train(
     chunk: int = 128,
     max_ticks: int = 1800,
     lr: float = 3e-3,
-    pos_weight: float = 1.5,
-    tto_weight: float = 0.3,
-    tto_max_s: float = 1200.0,
+    pos_weight: float = 1.0,
     cell_penalty: float = 1e-3,
     init_from: Path | str | None = None,
     patience: int = 10,
@@ -333,9 +381,7 @@ def train(
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     out = Path(out)
     train_seqs, val_seqs = load_sources(sources, cache, log)
-    weights = np.asarray(
-        [SOURCE_WEIGHTS[s.group.split(":")[0]] * (1.0 if s.ooms else OK_WEIGHT) for s in train_seqs]
-    )
+    weights = np.asarray([SOURCE_WEIGHTS[s.group.split(":")[0]] for s in train_seqs])
     cfg = cfg or NetConfig()
     net = OOMForecastNet(cfg)
     mean, std = normalization(train_seqs)
@@ -360,19 +406,19 @@ def train(
         bar = tqdm(groups, desc=f"epoch {epoch}/{epochs}", unit="batch", leave=False,
                    disable=not progress)  # fmt: skip
         for group in bar:
-            xs, ys, ms, tto = _stack(group)
+            xs, tto, known, wts = _stack(group)
             state = None
             for a in range(0, xs.shape[1], chunk):
                 x = torch.from_numpy(xs[:, a : a + chunk])
-                log_s, log_tto, state = net.heads(x, state)
-                t = torch.from_numpy(tto[:, a : a + chunk])
-                known = (t <= tto_max_s) & (t > 0)
-                loss = survival_loss(
-                    log_s,
-                    torch.from_numpy(ys[:, a : a + chunk]),
-                    torch.from_numpy(ms[:, a : a + chunk]),
-                    pos_weight,
-                ) + tto_weight * tto_loss(log_tto, torch.where(known, t, 1.0), known.float())
+                logits, state = net.hazard_logits(x, state)
+                survived, event = hazard_targets(
+                    torch.from_numpy(tto[:, a : a + chunk]),
+                    torch.from_numpy(known[:, a : a + chunk]),
+                    cfg.bins_s,
+                )
+                loss = hazard_loss(
+                    logits, survived, event, torch.from_numpy(wts[:, a : a + chunk]), pos_weight
+                )
                 # An LSTM free to integrate a constant input (the job's age, a flat level)
                 # grows its cell state without bound over a long run: its outputs saturate
                 # and stop depending on the input at all (cell states in the hundreds were
@@ -394,10 +440,11 @@ def train(
         history.append({"epoch": epoch, "loss": float(np.mean(losses)), "minutes": elapsed,
                         "tto_rel_err_30s": tto_err, **rule.__dict__})  # fmt: skip
         log(
-            f"epoch {epoch:3d}/{epochs}  loss {np.mean(losses):.4f}  val: recall@30s"
-            f" {rule.recall_30:.1%} recall@10s {rule.recall_10:.1%} false alarms"
-            f" {rule.false_alarm_rate:.1%} (risk@{rule.horizon_s}s >= {rule.fire_risk}"
-            f" x{rule.fire_after}); tto error @30s {tto_err:.0%}  {elapsed:.1f} min"
+            f"epoch {epoch:3d}/{epochs}  loss {np.mean(losses):.4f}  val: long OOMs"
+            f" {rule.recall_30:.1%} at 30 s, {rule.recall_10:.1%} at 10 s; false alarms"
+            f" {rule.false_alarm_rate:.1%} (worst group), near misses warned"
+            f" {rule.near_miss_warned:.0%} (risk@{rule.horizon_s}s >= {rule.fire_risk});"
+            f" tto error @30s {tto_err:.0%}  {elapsed:.1f} min"
         )
         score = (round(rule.recall_30, 3), rule.recall_10, -tto_err)
         if best is None or score > best["score"]:
@@ -426,6 +473,7 @@ def train(
         data={
             "sim": str(sources.sim),
             "corpus": str(sources.corpus),
+            "corpus_v1": str(sources.corpus_v1),
             "host": str(sources.host),
             "extra": [str(p) for p in sources.extra],
             "shapes": sources.shapes,
@@ -486,8 +534,11 @@ def save_checkpoint(
         "config": net.cfg.to_dict(),
         "embedding_version": net.cfg.embedding_version,
         "rule": {
-            k: float(v) if isinstance(v, np.floating) else v for k, v in rule.__dict__.items()
+            k: float(v) if isinstance(v, np.floating) else v
+            for k, v in rule.__dict__.items()
+            if k != "figures"
         },
+        "rule_figures": rule.figures,
         "epoch": epoch,
         "seed": seed,
         "data": data or {},

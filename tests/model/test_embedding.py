@@ -26,6 +26,7 @@ from oomcast.model.embedding import (
     tick_rows,
     time_to_full,
 )
+from oomcast.model.growth import GROWTH_FEATURES
 from oomcast.model.schema import Sample
 
 T0 = 1_750_000_000.0
@@ -75,10 +76,12 @@ def squashed(seconds: float) -> float:
 
 
 def test_feature_names_are_unique_and_counted() -> None:
-    assert len(set(FEATURES)) == len(FEATURES) == N_FEATURES == 30
+    assert len(set(FEATURES)) == len(FEATURES) == N_FEATURES == 43
     assert FEATURES == INSTANT_FEATURES + CONTEXT_FEATURES
     assert FEATURES[:N_INSTANT] == INSTANT_FEATURES and N_INSTANT == 14
-    assert EMBEDDING_VERSION == 4
+    assert EMBEDDING_VERSION == 5
+    # v5: growth beyond noise over 15-120 s, the projection to the limit, its age
+    assert FEATURES[-len(GROWTH_FEATURES):] == GROWTH_FEATURES
     # v4: the level and its log headroom replace the per-sample rate and the absolute GiB
     assert {"level_frac", "headroom_log10", "log1p_retries_per_min"} <= set(FEATURES)
     assert {"resid_30s_pct", "resid_300s_pct", "span_30s", "span_300s"} <= set(FEATURES)

@@ -1,18 +1,26 @@
-"""model/network.py: the survival and time-to-OOM heads, calibration, the exported graph."""
+"""model/network.py: the hazard head, its survival likelihood and the time to OOM read from
+it, calibration, the evidence gate, the exported graph."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 from torch.nn.functional import binary_cross_entropy
 
+from oomcast.model.embedding import FEATURES, LEVEL
+from oomcast.model.growth import squash_s
 from oomcast.model.network import (
+    BINS_S,
     NetConfig,
     OOMForecastNet,
     SequenceModule,
+    evidence_gate,
     fit_calibration,
-    survival_loss,
-    tto_loss,
+    hazard_loss,
+    hazard_targets,
+    median_time,
 )
 
 H = len(NetConfig().horizons_s)
@@ -71,11 +79,13 @@ def test_calibration_with_a_1_b_0_is_the_uncalibrated_risk() -> None:
     log_s = -torch.cumsum(torch.rand(2, 50, H) * 2, dim=-1)
     plain = 1 - torch.exp(log_s)
     assert torch.allclose(net.calibrated(log_s), plain, atol=2e-6)
-    # and so is the forward pass: risk from the survival head, unscaled
+    # and so is the forward pass: risk from the survival head, unscaled, then gated
     x = torch.randn(2, 20, net.cfg.n_features) * 3
     risk, _ = net(x)
     log_s, _ = net.log_survival(x)
-    assert torch.allclose(risk, 1 - torch.exp(log_s), atol=2e-6)
+    gate = evidence_gate(x, net.cfg.horizons_s)
+    assert 0 < gate.mean() < 1  # some open (the brink), some closed
+    assert torch.allclose(risk, (1 - torch.exp(log_s)) * gate, atol=2e-6)
     # a calibration that is not the identity changes it
     with torch.no_grad():
         net.cal_b.fill_(1.0)
@@ -161,63 +171,81 @@ def test_streaming_steps_equal_the_whole_sequence() -> None:
     assert torch.allclose(tto_s, torch.exp(log_tto.clamp(-2.0, 9.0)), rtol=1e-5)
 
 
-def test_the_graph_clamps_the_time_to_oom_to_seconds_it_can_mean() -> None:
+def _curve(cdf: list[float]) -> torch.Tensor:
+    """Log survival at each bin's end from P(OOM by that end)."""
+    return torch.log(1.0 - torch.tensor(cdf))
+
+
+def test_the_time_to_oom_is_the_median_of_the_curve_given_an_oom_within_5_minutes() -> None:
+    edges = torch.tensor((0.0, *BINS_S))
+    # half the runs OOM, uniformly over the five minutes: the median given an OOM is 150 s
+    uniform = _curve([0.5 * e / 300 for e in BINS_S])
+    assert float(median_time(uniform, edges)) == pytest.approx(150.0, rel=1e-4)
+    # all of it between 20 and 30 s: within the bin, at a constant hazard
+    inside = _curve([0.0, 0.0, 0.0, 0.0, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9])
+    assert 20.0 < float(median_time(inside, edges)) < 30.0
+    # no risk at all: half a second, never NaN
+    assert float(median_time(torch.zeros(len(BINS_S)), edges)) == 0.5
     net = OOMForecastNet(NetConfig()).eval()
-    x = torch.zeros(1, 2, net.cfg.n_features)
-    h, c = net.zero_state(1)
-    with torch.no_grad():
-        net.tto.weight.zero_()
-        for bias, want in (
-            (20.0, torch.exp(torch.tensor(9.0))),
-            (-20.0, torch.exp(torch.tensor(-2.0))),
-            (4.0, torch.exp(torch.tensor(4.0))),
-        ):
-            net.tto.bias.fill_(bias)
-            _, tto, _, _ = SequenceModule(net)(x, h, c)
-            assert torch.allclose(tto, want.expand(1, 2)), bias
+    log_s, log_tto, _ = net.heads(torch.zeros(2, 3, net.cfg.n_features))
+    assert log_tto.shape == (2, 3) and torch.isfinite(log_tto).all()
 
 
-def test_tto_loss_is_l1_on_log_seconds_where_known_and_its_minimum_is_the_median() -> None:
-    tto_s = torch.tensor([[10.0, 20.0, 1000.0, 5.0]])
-    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-
-    def loss(seconds: float) -> float:
-        return float(
-            tto_loss(torch.full((1, 4), float(torch.log(torch.tensor(seconds)))), tto_s, mask)
-        )
-
-    assert loss(20.0) < loss(10.0) and loss(20.0) < loss(100.0)
-    assert loss(20.0) == pytest.approx(
-        (float(torch.log(torch.tensor(2.0))) + float(torch.log(torch.tensor(50.0)))) / 3, rel=1e-5
-    )
-    # a masked entry does not count; with nothing known the loss is 0, not NaN
-    assert float(tto_loss(torch.zeros(1, 4), tto_s, torch.zeros(1, 4))) == 0.0
-    # zero seconds (an OOM at this very tick) is read as half a second, never log(0)
-    at_oom = tto_loss(torch.log(torch.tensor([[0.5]])), torch.zeros(1, 1), torch.ones(1, 1))
-    assert float(at_oom) == pytest.approx(0.0, abs=1e-6)
+def test_hazard_targets_mark_survived_bins_and_the_oom_s_bin() -> None:
+    inf = math.inf
+    tto = torch.tensor([3.0, 30.0, 31.0, 400.0, inf, inf])
+    known = torch.tensor([inf, inf, inf, inf, 25.0, 1000.0])
+    survived, event = hazard_targets(tto, known, BINS_S)
+    assert event.tolist()[0][0] == 1 and survived[0].sum() == 0
+    assert survived[1].tolist()[:5] == [1, 1, 1, 1, 0] and event[1].argmax() == 4  # 20-30 s
+    assert survived[2].sum() == 5 and event[2].argmax() == 5  # 30-45 s
+    assert survived[3].sum() == len(BINS_S) and event[3].sum() == 0  # beyond 5 minutes
+    # censored 25 s ahead (a run that ended normally): only the bins that ended by then
+    assert survived[4].tolist() == [1, 1, 1, 1] + [0] * 8 and event[4].sum() == 0
+    assert survived[5].sum() == len(BINS_S)
 
 
-@pytest.mark.slow
-def test_survival_loss_learns_a_simple_pattern() -> None:
-    torch.manual_seed(2)
-    cfg = NetConfig(embed_dim=8, hidden=16, layers=1)
-    net = OOMForecastNet(cfg)
-    x = torch.randn(64, 10, cfg.n_features)
-    y = (x[..., :1] > 0).float().expand(-1, -1, len(cfg.horizons_s)).contiguous()
-    m = torch.ones_like(y)
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-    first = None
-    for _ in range(150):
-        log_s, _ = net.log_survival(x)
-        loss = survival_loss(log_s, y, m)
-        first = first if first is not None else float(loss.detach())
+def test_hazard_loss_counts_weighted_ticks_and_learns_where_the_oom_falls() -> None:
+    logits = torch.zeros(1, 2, len(BINS_S), requires_grad=True)
+    tto = torch.tensor([[40.0, math.inf]])
+    known = torch.tensor([[math.inf, 500.0]])
+    survived, event = hazard_targets(tto, known, BINS_S)
+    w = torch.tensor([[1.0, 0.0]])
+    loss = hazard_loss(logits, survived, event, w)
+    # the first tick: five survived bins and the OOM's, each log(1/2); the second weighs 0
+    assert float(loss.detach()) == pytest.approx(6 * math.log(2.0), rel=1e-5)
+    opt = torch.optim.SGD([logits], lr=1.0)
+    for _ in range(200):
         opt.zero_grad()
-        loss.backward()
+        hazard_loss(logits, survived, event, torch.ones(1, 2)).backward()
         opt.step()
-    assert float(loss.detach()) < 0.5 * first
-    # masked entries do not count
-    log_s, _ = net.log_survival(x)
-    assert float(survival_loss(log_s, 1 - y, torch.zeros_like(m)).detach()) == 0.0
+    h = torch.sigmoid(logits.detach())
+    assert h[0, 0, 5] > 0.9 and (h[0, 0, :5] < 0.1).all()  # the OOM falls in 30-45 s
+    assert (h[0, 1] < 0.1).all()  # the censored tick survived everything it saw
+
+
+def _features(level: float, age_s: float, ttl_lo_s: float, retries: float = 0.0) -> torch.Tensor:
+    x = torch.zeros(len(FEATURES))
+    x[LEVEL] = level
+    x[FEATURES.index("log1p_growth_age_s")] = math.log1p(age_s)
+    x[FEATURES.index("time_to_limit_lo")] = squash_s(ttl_lo_s)
+    x[FEATURES.index("log1p_retries_per_min")] = retries
+    return x
+
+
+def test_the_evidence_gate_needs_30_s_of_growth_and_the_limit_within_the_horizon() -> None:
+    horizons = NetConfig().horizons_s  # 5, 15, 30, 60, 120, 300
+    gate = evidence_gate(torch.stack([
+        _features(0.5, 29.0, 10.0),  # growth too young
+        _features(0.5, 30.0, 45.0),  # the limit 45 s away at the earliest: 60 s and longer
+        _features(0.5, 600.0, 3600.0),  # growing, but nowhere near
+        _features(0.985, 0.0, 3600.0),  # the brink
+        _features(0.92, 0.0, 3600.0, retries=1.0),  # retries climbing above 90%
+        _features(0.85, 0.0, 3600.0, retries=1.0),  # ... not below
+    ]), horizons)  # fmt: skip
+    assert gate.tolist() == [
+        [0] * 6, [0, 0, 0, 1, 1, 1], [0] * 6, [1] * 6, [1] * 6, [0] * 6,
+    ]  # fmt: skip
 
 
 def test_features_that_never_varied_in_training_cannot_explode() -> None:

@@ -104,7 +104,9 @@ def test_safe_traces_mask_the_horizons_that_run_past_the_end(tmp_path: Path) -> 
         assert known.max() == last - h  # the last h seconds could still end in an OOM
 
 
-def test_a_normal_exit_makes_every_label_known(tmp_path: Path) -> None:
+def test_a_normal_exit_is_censored_like_a_trace_that_stops(tmp_path: Path) -> None:
+    """A job that exits normally has shown it survived until then, nothing more: the long
+    horizons of its last minutes are unknown, exactly as where the recording stopped."""
     records = steady_trace(seconds=400, interval_s=1.0)
     last = records[-1]
     plain = write(tmp_path / "plain.jsonl", records)
@@ -118,8 +120,10 @@ def test_a_normal_exit_makes_every_label_known(tmp_path: Path) -> None:
     (a,) = sequences_of(plain)
     (b,) = sequences_of(ended)
     assert not a.m.all()  # the plain trace's end masks the long horizons
-    assert b.m.all() and not b.y.any() and not b.ooms
+    assert np.array_equal(a.m, b.m) and not b.y.any() and not b.ooms
     assert np.array_equal(a.x, b.x)
+    assert np.array_equal(b.known_s(), b.known_s()[0] - np.arange(len(b.x)))
+    assert b.oom_after_s is None and b.span_s == pytest.approx(399.0)
 
 
 def test_load_folder_caches_and_gives_back_the_same_arrays(tmp_path: Path) -> None:

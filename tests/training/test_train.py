@@ -53,7 +53,8 @@ def test_first_run_finds_the_sample_completing_n_in_a_row() -> None:
     assert first_run(np.zeros(0, dtype=bool), 1) is None
 
 
-def seq(tto: list[float], ooms: bool, group: str = "") -> Sequence:
+def seq(tto: list[float], ooms: bool, group: str = "", level: float = 0.5) -> Sequence:
+    """A run of ``len(tto)`` ticks; an OOM one OOMs ten minutes in (a long OOM)."""
     n = len(tto)
     return Sequence(
         "s",
@@ -63,6 +64,9 @@ def seq(tto: list[float], ooms: bool, group: str = "") -> Sequence:
         np.asarray(tto, dtype=np.float64),
         ooms,
         group,
+        oom_after_s=600.0 if ooms else None,
+        max_level=1.0 if ooms else level,
+        span_s=600.0,
     )
 
 
@@ -118,6 +122,28 @@ def test_the_false_alarm_ceiling_holds_on_every_source() -> None:
     risks[0] = _risks([0.0, 1.0, 0.0])
     (rule, *_) = score_rules(seqs, risks, 0.0)
     assert rule.fire_risk == 1.0 and rule.false_alarm_rate == 0.5
+
+
+def test_rules_leave_censored_alerts_out_and_warn_at_most_half_the_near_misses() -> None:
+    inf = float("inf")
+    oom = seq([60, 40, 20, 5], True)
+    late = seq([inf] * 4, False)  # an ordinary run, high only in its last minute
+    late.known = np.asarray([200.0, 100.0, 50.0, 10.0])
+    near = [seq([inf] * 4, False, level=0.95) for _ in range(2)]
+    risks = [_risks([0.2, 0.4, 0.6, 0.8]), _risks([0.0, 0.0, 0.9, 0.9]),
+             _risks([0.0, 0.5, 0.0, 0.0]), _risks([0.0, 0.3, 0.0, 0.0])]  # fmt: skip
+    rule = score_rules([oom, late, *near], risks, 0.0)[0]
+    # the censored alert (0.9 in the last minute) sets nothing; one near miss of two may
+    # be warned, so the threshold sits just above the other one
+    assert rule.fire_risk == pytest.approx(0.3, abs=2e-6)
+    assert rule.near_miss_warned == 0.5 and rule.false_alarm_rate == 0.0
+    assert rule.recall_30 == 1.0
+    assert rule.figures["near_misses"] == 2 and rule.figures["long_ooms"] == 1
+    # a short OOM (under a minute from its start) is not what the recall counts
+    short = seq([20, 10, 5, 1], True)
+    short.oom_after_s = 40.0
+    (rule, *_) = score_rules([short, late], [_risks([0.9] * 4), _risks([0.0] * 4)], 0.0)
+    assert rule.figures["long_ooms"] == 0 and rule.recall_30 == 0.0
 
 
 def test_best_rule_falls_back_to_the_quietest_when_none_keeps_the_budget() -> None:

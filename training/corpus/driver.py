@@ -154,13 +154,21 @@ class JobHooks:
 
 
 class Driver:
-    def __init__(self, script: Script, stats_path: str | None = None, hooks: JobHooks | None = None
-                 ) -> None:  # fmt: skip
+    def __init__(
+        self,
+        script: Script,
+        stats_path: str | None = None,
+        hooks: JobHooks | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.script = script
         self.hooks = hooks or JobHooks()
         self.stats_path = stats_path
+        self.clock, self.sleep = clock, sleep
         self.rng = random.Random(script.seed + 17)
-        self.started = time.monotonic()
+        self.started = clock()
         self.step = 0
         self.holders: dict[int, Holder] = {}
         self.churn: list[torch.Tensor] = []
@@ -184,7 +192,7 @@ class Driver:
 
     # -- what the program asks --------------------------------------------------------------
     def elapsed(self) -> float:
-        return time.monotonic() - self.started
+        return self.clock() - self.started
 
     def finished(self) -> bool:
         return self.elapsed() >= self.script.duration_s
@@ -209,10 +217,10 @@ class Driver:
 
     def begin_step(self) -> None:
         """Optional: marks where the step's compute starts (else: where the last one ended)."""
-        self._step_begun = time.monotonic()
+        self._step_begun = self.clock()
 
     def end_step(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self._compute.append(now - max(self._step_begun, self._last_end))
         self.step += 1
         t = now - self.started
@@ -228,7 +236,7 @@ class Driver:
             if self.hooks.healthy_ckpt is not None:
                 self.hooks.healthy_ckpt()
         self._pace()
-        if time.monotonic() - self._last_stats >= STATS_EVERY_S:
+        if self.clock() - self._last_stats >= STATS_EVERY_S:
             self.write_stats()
 
     def close(self) -> None:
@@ -327,18 +335,18 @@ class Driver:
     def _pace(self) -> None:
         period = self.script.period_s
         target = self._base + self.step * period
-        now = time.monotonic()
+        now = self.clock()
         if now < target:
-            time.sleep(target - now)
+            self.sleep(target - now)
         elif now - target > period:  # behind by more than a step: don't burst to catch up
             self._base = now - self.step * period
             self._lag_resets += 1
-        end = time.monotonic()
+        end = self.clock()
         self._periods.append(end - self._last_end)
         self._last_end = end
 
     def write_stats(self, final: bool = False) -> None:
-        self._last_stats = time.monotonic()
+        self._last_stats = self.clock()
         if self.stats_path is None:
             return
         compute, periods = self._compute, self._periods

@@ -1,0 +1,290 @@
+"""Growth beyond noise: robust slopes of a domain's level over 15, 30, 60 and 120 s.
+
+The level is bucketed by second of trace time: each second keeps its lowest and highest
+level. Slopes are ordinary least squares through the buckets' *lowest* levels in the
+trailing window, so a transient spike (an evaluation, a checkpoint) moves the line only as
+much as it lasts, and a sawtooth within a second does not move it at all; the same curve
+sampled at 1 Hz or 10 Hz gives the same buckets. Each slope comes with its standard error
+from the fit's residuals: a noisy level needs a longer or steeper rise before the rise
+counts as growth.
+
+From the fits come the features the forecaster and its evidence gate read
+(``GROWTH_FEATURES``):
+
+- the slope and its standard error per window, in percent of capacity per second;
+- the projected time to the limit, from the highest recent level at the best-supported
+  slope, with its bounds at the slope plus and minus two standard errors (the lower bound
+  is the earliest time the evidence allows);
+- deceleration: how much slower the last 30 s rose than the last 120 s (+1 levelling off,
+  0 a steady pace, -1 speeding up);
+- how long growth beyond noise has been going on (``growth_age_s``): a window's slope
+  counts as growth when it is three standard errors above zero (``GROWTH_Z``).
+
+The fits are recomputed once per second of trace time (when a sample opens a new second),
+from at most 121 buckets, and include the bucket just opened; samples within a second reuse
+them. A domain's tracker is a few kilobytes and survives a snapshot (``to_dict``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from array import array
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+WINDOWS_S: tuple[int, ...] = (15, 30, 60, 120)
+HISTORY_S = max(WINDOWS_S)
+MIN_SLOPE = 1e-5  # fraction of capacity per second (3.6% an hour): slower is no growth
+SE_FLOOR = 2e-6  # the resolution of a slope fitted through integer byte counts and clocks
+MIN_SPAN = 0.9  # a window counts once its buckets span 90% of it
+# A slope is growth when it is this many standard errors above zero: four windows are tested
+# every second, so two errors (2.3% by chance, one-sided) would call noise growth every
+# few seconds; three (0.13%) rarely do.
+GROWTH_Z = 3.0
+GROWTH_FEATURES: tuple[str, ...] = (
+    *(f"slope_{w}s_pct_per_s" for w in WINDOWS_S),
+    *(f"slope_se_{w}s_pct_per_s" for w in WINDOWS_S),
+    "time_to_limit",  # squashed like time_to_full: 0 now, 1 an hour or never
+    "time_to_limit_lo",  # at slope + 2 SE: the earliest
+    "time_to_limit_hi",  # at slope - 2 SE: the latest (1 when that slope is not positive)
+    "deceleration",
+    "log1p_growth_age_s",
+)
+N_GROWTH = len(GROWTH_FEATURES)
+TIME_CAP_S = 3600.0
+REBASE_S = 3600.0  # the running sums start afresh this often (their x stays small)
+
+
+def squash_s(seconds: float) -> float:
+    """Seconds on the log scale the embedding uses for times: [0, 1], 1 at an hour or more."""
+    return math.log1p(min(TIME_CAP_S, max(0.0, seconds))) / math.log1p(TIME_CAP_S)
+
+
+@dataclass(slots=True)
+class Fit:
+    slope: float = 0.0  # fraction per second
+    se: float = math.inf
+    span_s: float = 0.0
+    steady: bool = False  # each third of the window rose at least half the fitted pace
+
+    @property
+    def valid(self) -> bool:
+        return math.isfinite(self.se)
+
+    @property
+    def growing(self) -> bool:
+        """A rise beyond noise: ``GROWTH_Z`` standard errors above zero, faster than the
+        floor, and kept up across the window (a spike at its end, or a climb that is levelling
+        off, rises in one third only)."""
+        return (
+            self.valid
+            and self.steady
+            and self.slope > MIN_SLOPE
+            and self.slope - GROWTH_Z * self.se > 0.0
+        )
+
+
+def fit_windows(t: list[float], y: list[float], newest: float) -> list[Fit]:
+    """OLS fits of ``y`` against ``t`` (oldest first) over each window of ``WINDOWS_S``
+    ending at ``newest``; a window whose points span less than ``MIN_SPAN`` of it is not
+    valid (its standard error is infinite)."""
+    fits = []
+    for window in WINDOWS_S:
+        first = len(t)
+        while first > 0 and newest - t[first - 1] <= window:
+            first -= 1
+        fits.append(_fit(t[first:], y[first:], newest, window))
+    return fits
+
+
+def _fit(t: list[float], y: list[float], newest: float, window: int) -> Fit:
+    n = len(t)
+    span = newest - t[0] if n else 0.0
+    if n < 3 or span < MIN_SPAN * window:
+        return Fit(span_s=span)
+    xs = [v - newest for v in t]
+    mt, my = sum(xs) / n, sum(y) / n
+    vtt = sum((x - mt) ** 2 for x in xs)
+    if vtt <= 0.0:
+        return Fit(span_s=span)
+    vty = sum((x - mt) * (v - my) for x, v in zip(xs, y, strict=True))
+    slope = vty / vtt
+    sse = sum((v - my - slope * (x - mt)) ** 2 for x, v in zip(xs, y, strict=True))
+    se = max(SE_FLOOR, math.sqrt(max(0.0, sse) / (n - 2.0) / vtt))
+    # the mean of each third of the window: each must be above the last by half the pace
+    edges = (-span, -span * 2.0 / 3.0, -span / 3.0, 1.0)
+    means = []
+    for a, b in itertools.pairwise(edges):
+        part = [v for x, v in zip(xs, y, strict=True) if a <= x < b]
+        means.append(sum(part) / len(part) if part else math.nan)
+    step = 0.5 * slope * span / 3.0
+    steady = means[1] - means[0] >= step and means[2] - means[1] >= step
+    return Fit(slope, se, span, steady)
+
+
+@dataclass(slots=True)
+class GrowthTracker:
+    sec: int | None = None  # the second being filled (floor of its ts)
+    lo_now: float = 0.0
+    hi_now: float = 0.0
+    t: array[float] = field(default_factory=lambda: array("d"))  # closed seconds
+    lo: array[float] = field(default_factory=lambda: array("d"))
+    hi: array[float] = field(default_factory=lambda: array("d"))
+    growth_since: float | None = None
+    features: list[float] = field(default_factory=lambda: idle_features())
+    # running sums of the closed buckets (count, x, x^2, y, xy, y^2 with x = t - anchor):
+    # entry i holds the sums of the buckets before i, so any run of buckets is a difference
+    _anchor: float = field(default=0.0, init=False)
+    _sums: list[array[float]] = field(default_factory=list, init=False)
+
+    def update(self, ts: float, level: float) -> list[float]:
+        """Take one sample's level; the growth features as of this sample."""
+        sec = math.floor(ts)
+        if self.sec is not None and sec == self.sec:
+            self.lo_now = min(self.lo_now, level)
+            self.hi_now = max(self.hi_now, level)
+            return self.features
+        if self.sec is not None:  # close the second that ended
+            if not self._sums or self.sec - self._anchor > REBASE_S:
+                self._rebuild(float(self.sec))
+            self.t.append(float(self.sec))
+            self.lo.append(self.lo_now)
+            self.hi.append(self.hi_now)
+            self._push(float(self.sec) - self._anchor, self.lo_now)
+            cut = bisect.bisect_left(self.t, sec - HISTORY_S)
+            if cut:
+                del self.t[:cut], self.lo[:cut], self.hi[:cut]
+                for col in self._sums:
+                    del col[:cut]
+        self.sec, self.lo_now, self.hi_now = sec, level, level
+        self.features = self._compute(float(sec))
+        return self.features
+
+    def _rebuild(self, anchor: float) -> None:
+        """Running sums anew, relative to ``anchor`` (x stays small, the sums exact)."""
+        self._anchor = anchor
+        self._sums = [array("d", [0.0]) for _ in range(6)]
+        for t, y in zip(self.t, self.lo, strict=True):
+            self._push(t - anchor, y)
+
+    def _push(self, x: float, y: float) -> None:
+        for col, v in zip(self._sums, (1.0, x, x * x, y, x * y, y * y), strict=True):
+            col.append(col[-1] + v)
+
+    def _fit(self, now: float, window: int) -> Fit:
+        """``fit_windows``' fit of one window from the running sums, with the bucket now
+        being filled as its newest point."""
+        t = self.t
+        end = len(t)
+        first = bisect.bisect_left(t, now - window)
+        n = end - first + 1.0
+        span = now - t[first] if first < end else 0.0
+        if n < 3 or span < MIN_SPAN * window:
+            return Fit(span_s=span)
+        x_now, y_now = now - self._anchor, self.lo_now
+        c, sx, sxx, sy, sxy, syy = (col[end] - col[first] for col in self._sums)
+        sx, sxx, sy = sx + x_now, sxx + x_now * x_now, sy + y_now
+        sxy, syy = sxy + x_now * y_now, syy + y_now * y_now
+        vtt = sxx - sx * sx / n
+        if vtt <= 0.0:
+            return Fit(span_s=span)
+        vty = sxy - sx * sy / n
+        vyy = max(0.0, syy - sy * sy / n)
+        slope = vty / vtt
+        se = max(SE_FLOOR, math.sqrt(max(0.0, vyy - slope * vty) / (n - 2.0) / vtt))
+        b1 = bisect.bisect_left(t, now - span * 2.0 / 3.0, first)
+        b2 = bisect.bisect_left(t, now - span / 3.0, b1)
+        ys = self._sums[3]
+        if b1 == first or b2 == b1:
+            return Fit(slope, se, span, False)
+        m1 = (ys[b1] - ys[first]) / (b1 - first)
+        m2 = (ys[b2] - ys[b1]) / (b2 - b1)
+        m3 = (ys[end] - ys[b2] + y_now) / (end - b2 + 1)
+        step = 0.5 * slope * span / 3.0
+        return Fit(slope, se, span, m2 - m1 >= step and m3 - m2 >= step)
+
+    def _compute(self, now: float) -> list[float]:
+        if not self._sums:
+            self._rebuild(now)
+        fits = [self._fit(now, w) for w in WINDOWS_S]
+        growing = [f for f in fits if f.growing]
+        if growing:  # growth goes back at least as far as the widest fit that shows it
+            widest = max(f.span_s for f in growing)
+            if self.growth_since is None or now - self.growth_since < widest:
+                self.growth_since = now - widest
+        else:
+            self.growth_since = None
+        age = 0.0 if self.growth_since is None else now - self.growth_since
+        # the highest level of the last 30 s is what would reach the limit first
+        recent = self.hi[bisect.bisect_left(self.t, now - 30) :]
+        top = max(self.hi_now, max(recent)) if recent else self.hi_now
+        headroom = max(0.0, 1.0 - top)
+        if growing:  # the best-supported growth: the most significant of the windows
+            best = max(growing, key=lambda f: f.slope / f.se)
+            t_mid = headroom / best.slope
+            t_lo = headroom / (best.slope + 2.0 * best.se)
+            hi_slope = best.slope - 2.0 * best.se
+            t_hi = headroom / hi_slope if hi_slope > MIN_SLOPE else TIME_CAP_S
+            mid, low, high = squash_s(t_mid), squash_s(t_lo), squash_s(t_hi)
+        else:
+            mid = low = high = 1.0
+        s30, s120 = fits[1], fits[3]
+        if s30.valid and s120.valid and (s30.growing or s120.growing):
+            a, b = s30.slope, s120.slope
+            decel = max(-1.0, min(1.0, (b - a) / (abs(a) + abs(b) + 1e-5)))
+        else:
+            decel = 0.0
+        return [
+            *(_pct(f.slope) if f.valid else 0.0 for f in fits),
+            *(min(10.0, f.se * 100.0) if f.valid else 10.0 for f in fits),
+            mid, low, high, decel, math.log1p(age),
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sec": self.sec, "lo_now": self.lo_now, "hi_now": self.hi_now,
+            "t": list(self.t), "lo": list(self.lo), "hi": list(self.hi),
+            "growth_since": self.growth_since, "features": list(self.features),
+        }  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Any) -> GrowthTracker:
+        from oomcast.model.embedding import finite_number
+
+        if data is None:
+            return cls()
+        if not isinstance(data, Mapping):
+            raise ValueError("growth: must be an object")
+        cols = []
+        for key in ("t", "lo", "hi"):
+            values = data.get(key)
+            if not isinstance(values, list) or len(values) > HISTORY_S + 2:
+                raise ValueError(f"growth.{key}: must be a list of at most {HISTORY_S + 2}")
+            cols.append(array("d", (finite_number(v, f"growth.{key}") for v in values)))
+        if not len(cols[0]) == len(cols[1]) == len(cols[2]):
+            raise ValueError("growth: t, lo and hi must be as long as each other")
+        feats = data.get("features")
+        if not isinstance(feats, list) or len(feats) != N_GROWTH:
+            raise ValueError(f"growth.features: must be a list of {N_GROWTH} numbers")
+        sec = data.get("sec")
+        since = data.get("growth_since")
+        return cls(
+            sec=None if sec is None else int(finite_number(sec, "growth.sec")),
+            lo_now=finite_number(data.get("lo_now"), "growth.lo_now"),
+            hi_now=finite_number(data.get("hi_now"), "growth.hi_now"),
+            t=cols[0], lo=cols[1], hi=cols[2],
+            growth_since=None if since is None else finite_number(since, "growth.growth_since"),
+            features=[finite_number(v, "growth.features") for v in feats],
+        )  # fmt: skip
+
+
+def _pct(slope: float) -> float:
+    return max(-10.0, min(10.0, slope * 100.0))
+
+
+def idle_features() -> list[float]:
+    """The features of a domain with no history: no slope, no growth, nothing in sight."""
+    return [*(0.0 for _ in WINDOWS_S), *(10.0 for _ in WINDOWS_S), 1.0, 1.0, 1.0, 0.0, 0.0]

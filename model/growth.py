@@ -12,11 +12,12 @@ From the fits come the features the forecaster and its evidence gate read
 (``GROWTH_FEATURES``):
 
 - the slope and its standard error per window, in percent of capacity per second;
-- the projected time to the limit, from the highest recent level at the best-supported
-  slope, with its bounds at the slope plus and minus two standard errors (the lower bound
-  is the earliest time the evidence allows);
-- deceleration: how much slower the last 30 s rose than the last 120 s (+1 levelling off,
-  0 a steady pace, -1 speeding up);
+- the projected time to the limit, from the highest level of the last 30 s at the recent
+  pace (the 30 s fit), with its bounds at the slope plus and minus two standard errors: the
+  earliest takes the lower of the 15 s and 30 s fits' upper bounds, so a climb that is
+  levelling off is judged by how fast it rises now;
+- deceleration: how much slower the last 15 s rose than the longest window there is (+1
+  levelling off, 0 a steady pace, -1 speeding up);
 - how long growth beyond noise has been going on (``growth_age_s``): a window's slope
   counts as growth when it is three standard errors above zero (``GROWTH_Z``).
 
@@ -137,8 +138,10 @@ class GrowthTracker:
     features: list[float] = field(default_factory=lambda: idle_features())
     # running sums of the closed buckets (count, x, x^2, y, xy, y^2 with x = t - anchor):
     # entry i holds the sums of the buckets before i, so any run of buckets is a difference
-    _anchor: float = field(default=0.0, init=False)
-    _sums: list[array[float]] = field(default_factory=list, init=False)
+    # (derived: a restored tracker rebuilds them, to the last bits of rounding, so they are
+    # left out of equality and of the saved state)
+    _anchor: float = field(default=0.0, init=False, compare=False, repr=False)
+    _sums: list[array[float]] = field(default_factory=list, init=False, compare=False, repr=False)
 
     def update(self, ts: float, level: float) -> list[float]:
         """Take one sample's level; the growth features as of this sample."""
@@ -185,7 +188,7 @@ class GrowthTracker:
         if n < 3 or span < MIN_SPAN * window:
             return Fit(span_s=span)
         x_now, y_now = now - self._anchor, self.lo_now
-        c, sx, sxx, sy, sxy, syy = (col[end] - col[first] for col in self._sums)
+        _, sx, sxx, sy, sxy, syy = (col[end] - col[first] for col in self._sums)
         sx, sxx, sy = sx + x_now, sxx + x_now * x_now, sy + y_now
         sxy, syy = sxy + x_now * y_now, syy + y_now * y_now
         vtt = sxx - sx * sx / n
@@ -222,18 +225,15 @@ class GrowthTracker:
         recent = self.hi[bisect.bisect_left(self.t, now - 30) :]
         top = max(self.hi_now, max(recent)) if recent else self.hi_now
         headroom = max(0.0, 1.0 - top)
-        if growing:  # the best-supported growth: the most significant of the windows
-            best = max(growing, key=lambda f: f.slope / f.se)
-            t_mid = headroom / best.slope
-            t_lo = headroom / (best.slope + 2.0 * best.se)
-            hi_slope = best.slope - 2.0 * best.se
-            t_hi = headroom / hi_slope if hi_slope > MIN_SLOPE else TIME_CAP_S
-            mid, low, high = squash_s(t_mid), squash_s(t_lo), squash_s(t_hi)
+        if growing:
+            mid, low, high = self._projection(fits, headroom)
         else:
             mid = low = high = 1.0
-        s30, s120 = fits[1], fits[3]
-        if s30.valid and s120.valid and (s30.growing or s120.growing):
-            a, b = s30.slope, s120.slope
+        # the 15 s fit against the longest other one there is: a climb that is levelling
+        # off shows it within half a minute
+        short, longest = fits[0], next((f for f in fits[:0:-1] if f.valid), None)
+        if growing and short.valid and longest is not None:
+            a, b = short.slope, longest.slope
             decel = max(-1.0, min(1.0, (b - a) / (abs(a) + abs(b) + 1e-5)))
         else:
             decel = 0.0
@@ -242,6 +242,25 @@ class GrowthTracker:
             *(min(10.0, f.se * 100.0) if f.valid else 10.0 for f in fits),
             mid, low, high, decel, math.log1p(age),
         ]
+
+    @staticmethod
+    def _projection(fits: list[Fit], headroom: float) -> tuple[float, float, float]:
+        """(projected, earliest, latest) time to the limit, squashed, at the recent pace: the
+        30 s fit (else the 15 s one) projects; the earliest takes the lower of the 15 s and
+        30 s fits' upper bounds (a climb that is levelling off is judged by how fast it
+        rises now, not by the steep start a longer window still holds); the latest, the 30 s
+        fit's lower bound."""
+        recent = [f for f in fits[:2] if f.valid]
+        if not recent:  # less than 15 s of history: the longest fit that shows growth
+            recent = [max((f for f in fits if f.growing), key=lambda f: f.span_s)]
+        pace = recent[-1]
+        upper = min(f.slope + 2.0 * f.se for f in recent)
+        lower = pace.slope - 2.0 * pace.se
+
+        def at(slope: float) -> float:
+            return squash_s(headroom / slope) if slope > MIN_SLOPE else 1.0
+
+        return at(pace.slope), at(upper), at(lower)
 
     def to_dict(self) -> dict[str, Any]:
         return {

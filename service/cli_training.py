@@ -384,7 +384,7 @@ def add_parsers(sub: Any) -> None:
     c.add_argument("--model", default=str(SHIPPED_MODEL), help="ONNX model to measure")
     c.add_argument("--sim-test", default="data/sim/test", help="the simulated test split")
     c.add_argument(
-        "--corpus", default=str(CORPUS_TRACES), help="the recorded corpus (its test programs)"
+        "--corpus", default=str(JOBS_TRACES), help="the corpus of real jobs (its test programs)"
     )
     c.add_argument("--figures", default="docs/figures", help="where the PNGs go")
     c.add_argument("--out", help="write the numbers here as JSON (default: print them)")

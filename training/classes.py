@@ -7,6 +7,11 @@ A run is scored by what happened to it, and what the detector did:
   ahead and 95% 10 s ahead.
 - ``oom_short``: it OOMed sooner (no room for evidence plus 30 s of lead): judged at 10 s,
   reported, not gated.
+- ``oom_sudden``: it OOMed from one step with no growth before it (a neighbour arriving,
+  the first evaluation, checkpoint or optimizer step: ``SUDDEN_CAUSES``, as the trace's
+  manifest names its cause). The recall goals are for growth OOMs; these are met by
+  phase-aware forecasts, ``oomcast preflight`` and ``POST /v1/admit``, and are reported
+  apart, at 30 s and 10 s.
 - ``censored``: it never OOMed, and the detector's first alert came in its last 60 s (it
   exited normally, or the recording stopped, while the alert stood): its future is unknown,
   so the alert is neither a hit nor a false alarm. When such runs are more than 10% of the
@@ -22,10 +27,13 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+# causes whose OOM comes from one step: the simulator's families and the corpora's causes
+SUDDEN_CAUSES = ("eval_no_grad", "optimizer_state", "checkpoint_spike", "neighbour",
+                 "step_scale", "step_up", "eval_spike", "checkpoint")  # fmt: skip
 LONG_AFTER_S = 60.0
 CENSOR_S = 60.0
 NEAR_LEVEL = 0.9
-CLASSES = ("oom_long", "oom_short", "near_miss", "ordinary", "censored")
+CLASSES = ("oom_long", "oom_short", "oom_sudden", "near_miss", "ordinary", "censored")
 GOALS = {
     "oom_long_recall_30": 0.90,
     "oom_long_recall_10": 0.95,
@@ -40,11 +48,15 @@ def run_class(
     max_level: float,
     span_s: float,
     first_alert_s: float | None,
+    cause: str | None = None,
 ) -> str:
     """The class of one run as a detector saw it. Times are seconds after the run's first
     sample: the OOM (None: none), the end of a run that did not OOM (``span_s``), the first
-    alert (None: none; on an OOM run, only alerts before the OOM count)."""
+    alert (None: none; on an OOM run, only alerts before the OOM count); ``cause`` as the
+    run's manifest names it (None: unknown, scored as growth)."""
     if oom_after_s is not None:
+        if cause in SUDDEN_CAUSES:
+            return "oom_sudden"
         return "oom_long" if oom_after_s >= LONG_AFTER_S else "oom_short"
     if first_alert_s is not None and first_alert_s >= span_s - CENSOR_S:
         return "censored"
@@ -56,7 +68,7 @@ class ClassScore:
     """One detector's runs, by class."""
 
     leads: dict[str, list[float | None]] = field(
-        default_factory=lambda: {"oom_long": [], "oom_short": []}
+        default_factory=lambda: {"oom_long": [], "oom_short": [], "oom_sudden": []}
     )  # lead per OOM run; None: not warned before the OOM
     near: list[bool] = field(default_factory=list)  # warned, per near miss
     ordinary: list[bool] = field(default_factory=list)  # false alarm, per ordinary run
@@ -86,7 +98,7 @@ class ClassScore:
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for cls, at in (("oom_long", (30, 10)), ("oom_short", (10,))):
+        for cls, at in (("oom_long", (30, 10)), ("oom_short", (10,)), ("oom_sudden", (30, 10))):
             leads = self.leads[cls]
             known = [x for x in leads if x is not None]
             entry: dict[str, Any] = {"n": len(leads)}
@@ -154,7 +166,8 @@ def format_classes(name: str, s: dict[str, Any]) -> list[str]:
         f" ({pct(lo['recall_30s'])}),"
         f" {lo['warned_10s']}/{lo['n']} 10 s ({pct(lo['recall_10s'])}), median lead"
         f" {lo['median_lead_s'] if lo['median_lead_s'] is not None else '-'} s;"
-        f" short OOMs {sh['warned_10s']}/{sh['n']} at 10 s",
+        f" short OOMs {sh['warned_10s']}/{sh['n']} at 10 s; sudden OOMs"
+        f" {s['oom_sudden']['warned_30s']}/{s['oom_sudden']['n']} at 30 s",
         f"  near misses warned {nm['warned']}/{nm['n']} ({pct(nm['warned_share'])});"
         f" ordinary runs with a false alarm {od['false_alarms']}/{od['n']}"
         f" ({pct(od['false_alarm_rate'])}), {od['false_alarms_per_hour'] or 0:g} per hour over"

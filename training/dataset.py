@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from oomcast.model import embedding as embedding_module
+from oomcast.model import growth as growth_module
 from oomcast.model.embedding import EMBEDDING_VERSION, EmbeddingState, level_frac, tick_rows
 from oomcast.model.forecast import HORIZONS_S
 from oomcast.model.trace import Trace, find_traces, load_trace, nvml_view
@@ -157,6 +158,7 @@ def load_paths(
         + f"v{EMBEDDING_VERSION}:{view}".encode()
         # the embedding's own code: a changed feature must never be read from an old cache
         + hashlib.sha1(Path(embedding_module.__file__).read_bytes()).digest()
+        + hashlib.sha1(Path(growth_module.__file__).read_bytes()).digest()
         + hashlib.sha1(Path(__file__).read_bytes()).digest()  # and the labelling
     ).hexdigest()[:16]
     cache = Path(cache_dir) / f"seq-{key}.npz" if cache_dir else None

@@ -50,7 +50,7 @@ from oomcast.model.trace import (
     find_traces,
     load_trace,
 )
-from oomcast.training.classes import ClassScore, format_classes, run_class
+from oomcast.training.classes import SUDDEN_CAUSES, ClassScore, format_classes, run_class
 from oomcast.training.progress import bar
 
 # Seconds before the OOM at which the time-to-OOM forecast is checked, latest last.
@@ -63,7 +63,6 @@ CAUSE_KEYS = ("cause", "family", "scenario")
 MANIFEST_LEVELS = 3  # look for a manifest in the trace's folder and the two above it
 # The causes whose OOM the memory stream does not announce (docs/phases.md); scored together
 # as ``sudden`` beside the per-cause scores.
-SUDDEN_CAUSES = ("eval_no_grad", "optimizer_state", "checkpoint_spike", "neighbour")
 SUDDEN = "sudden"
 
 
@@ -97,7 +96,7 @@ class TraceResult:
     def run_class(self) -> str:
         first = None if self.first_alert_ts is None else self.first_alert_ts - self.first_ts
         oom_after = None if self.oom_ts is None else self.oom_ts - self.first_ts
-        return run_class(oom_after, self.max_level, self.end_ts - self.first_ts, first)
+        return run_class(oom_after, self.max_level, self.end_ts - self.first_ts, first, self.cause)
 
     @property
     def lead_s(self) -> float | None:

@@ -72,9 +72,9 @@ def export(
         "oomcast.tick_s": str(cfg.tick_s),
         "oomcast.tto_min_risk": str(min(0.5, rule_fire_risk(ckpt["rule"]))),
         "oomcast.bins_s": json.dumps(list(cfg.bins_s)),
-        "oomcast.gate": json.dumps({
-            "growth_s": GATE_GROWTH_S, "brink_level": BRINK_LEVEL, "retries_level": RETRIES_LEVEL,
-        }),  # fmt: skip
+        "oomcast.gate": json.dumps(
+            {"growth_s": GATE_GROWTH_S, "brink_level": BRINK_LEVEL, "retries_level": RETRIES_LEVEL}
+        ),
         # the validation figures that chose the rule: per group, what it alerts on
         "oomcast.rule_validation": json.dumps(ckpt.get("rule_figures", {})),
         "oomcast.trained": json.dumps(

@@ -4,16 +4,19 @@ Four sets, each scored by :func:`oomcast.training.evaluate.evaluate` exactly as 
 evaluate`` scores them (the model and the baselines ``oomcast evaluate`` runs, one pass per
 set with the per-trace lines kept, so each detector steps each trace once):
 
-* ``corpus_test_10hz``: the recorded corpus's test programs (never trained on in any form)
-  at their native 10 Hz;
+* ``corpus_test_10hz``: the test programs of the corpus of real jobs (never trained on, nor
+  used to choose the rule, in any form) at their native 10 Hz;
 * ``corpus_test_1hz``: the same traces downsampled to 1 Hz (a slower collector);
 * ``sim_test_full``: the simulated test split as the in-process hook sees it;
 * ``sim_test_nvml``: the same as NVML alone sees it (no allocator figures).
 
-Each set reports, per detector, the evaluate summary at 30 s and at 10 s of lead, recall on
-the OOMs with a signal in the stream (``growth``: the corpus's growth causes, the simulated
-leak, seq_growth and fragmentation families) apart from the rest (``sudden``), a per-cause
-table and, for the corpus, a per-program table of false alarms. ``quietest_baseline_at_model_fa``
+Each set reports, per detector, the evaluate summary at 30 s and at 10 s of lead, the scoring
+classes of ``training/classes.py`` (long and short OOMs, near misses, ordinary runs with
+their false alarms per hour, censored alerts), recall on the OOMs with a signal in the
+stream (``growth``: the corpus's growth causes, the simulated leak, seq_growth and
+fragmentation families) apart from the rest (``sudden``), a per-cause table and, for the
+corpus, a per-program table of false alarms. ``data`` says what the model was trained and
+judged on, by source. ``quietest_baseline_at_model_fa``
 says, per set, which baselines alert on no more OOM-free runs than the model, and how many
 growth OOMs they warn 30 s ahead: whether the model beats every baseline at its own
 false-alarm count.
@@ -42,12 +45,16 @@ from typing import Any
 import numpy as np
 
 from oomcast.model.baselines import baseline_detectors
+from oomcast.model.embedding import level_frac
 from oomcast.model.forecast import HORIZONS_S, Detector, release_state
 from oomcast.model.runtime import OnnxForecaster
 from oomcast.model.schema import Sample
 from oomcast.model.trace import Trace, find_traces, load_trace
+from oomcast.training.corpus.plan import GROWTH as JOB_GROWTH
 from oomcast.training.evaluate import TTO_AT_S, UNKNOWN_CAUSE, Causes, evaluate
-from oomcast.training.programs import GROWTH_CAUSES
+
+# the corpus's causes whose OOM grows in the stream first (start-up fills included)
+GROWTH_CAUSES = (*JOB_GROWTH, "plateau", "warmup")
 
 MODEL = "model"
 MIN_LEADS_S = (30, 10)
@@ -173,6 +180,7 @@ def score_set(
             at[f"at_{s}s"] = part
         entry: dict[str, Any] = {
             **at,
+            "classes": summary["detectors"][det.name]["classes"],
             "growth": group_recall(r for r in det_rows if r["cause"] in growth),
             "sudden": group_recall(r for r in det_rows if r["cause"] not in growth),
             "by_cause": cause_table(det_rows),
@@ -239,7 +247,7 @@ class DomainRisk:
     cause: str | None
     oom_ts: float | None
     ts: np.ndarray  # (ticks,)
-    used: np.ndarray  # (ticks,) used fraction
+    used: np.ndarray  # (ticks,) the level the model forecasts, as a fraction of capacity
     y: np.ndarray  # (ticks, H) OOM within the horizon
     m: np.ndarray  # (ticks, H) 1 where that is known
     x: np.ndarray | None  # (ticks, features) the embedding at the ticks; dropped once stepped
@@ -271,7 +279,7 @@ def trace_domains(trace: Trace, name: str, cause: str | None) -> list[DomainRisk
                 cause,
                 oom_ts,
                 np.asarray([s.ts for s in ticks], dtype=np.float64),
-                np.asarray([s.used_frac for s in ticks], dtype=np.float64),
+                np.asarray([level_frac(s) for s in ticks], dtype=np.float64),
                 seq.y,
                 seq.m,
                 seq.x,
@@ -491,9 +499,10 @@ def pick_examples(
     sim_growth: Sequence[str],
     alerts: dict[tuple[str, str], float | None],
 ) -> list[Example]:
-    """About six traces: two corpus growth OOMs (different causes where there are), a corpus
-    near miss, a simulated OOM with growth, the simulated OOM-free trace that came closest
-    to its limit, and a sudden OOM (from the corpus if it has one)."""
+    """Single traces of the held-out programs, one of each shape worth seeing: a leak (any
+    growth OOM) after a steady phase, a start-up climb that levels off, a near miss that
+    plateaus, a run that exits mid-climb (censored), a sudden OOM; and a simulated growth
+    OOM with the simulated OOM-free trace that came closest to its limit."""
     picked: list[tuple[str, str, str]] = []  # (label, set, trace)
 
     def oom(doms: list[DomainRisk]) -> bool:
@@ -502,51 +511,32 @@ def pick_examples(
     def peak(doms: list[DomainRisk]) -> float:
         return max((float(d.used.max()) for d in doms if len(d.used)), default=0.0)
 
-    growth = [
-        n
-        for n in sorted(corpus)
-        if oom(corpus[n]) and runs.get(n, {}).get("cause") in GROWTH_CAUSES
-    ]
-    first_of_cause = [
-        n
-        for i, n in enumerate(growth)
-        if runs[n]["cause"] not in {runs[m]["cause"] for m in growth[:i]}
-    ]
-    for n in (first_of_cause + [n for n in growth if n not in first_of_cause])[:2]:
-        picked.append((f"corpus OOM, {runs[n]['cause']}", "corpus_test_10hz", n))
-    ok = [n for n in sorted(corpus) if not oom(corpus[n]) and corpus[n]]
-    if ok:
-        # a near miss: the recorder's "near" runs first, closest to the limit in anon memory
-        near = max(
-            ok,
-            key=lambda n: (
-                runs.get(n, {}).get("role") == "near",
-                runs.get(n, {}).get("anon_peak_frac") or 0.0,
-                peak(corpus[n]),
-            ),
-        )
-        picked.append(
-            (f"corpus near miss, {runs.get(near, {}).get('cause')}", "corpus_test_10hz", near)
-        )
+    def first(kind: str, *, ooms: bool | None = None, cause: str | None = None) -> str | None:
+        names = [n for n in sorted(corpus) if corpus[n] and runs.get(n, {}).get("kind") == kind
+                 and (ooms is None or oom(corpus[n]) == ooms)
+                 and (cause is None or runs[n].get("cause") == cause)]  # fmt: skip
+        return names[0] if names else None
+
+    leak = first("oom", ooms=True, cause="leak") or first("oom", ooms=True)
+    for label, name in (
+        ("leak after a steady phase", leak),
+        ("start-up climb that levels off", first("warmup", ooms=False)),
+        ("near miss that plateaus", first("near", ooms=False)),
+        ("exits mid-climb (censored)", first("censored", ooms=False)),
+        ("sudden OOM", first("sudden", ooms=True)),
+    ):
+        if name is not None:
+            cause = runs[name].get("cause", UNKNOWN_CAUSE)
+            picked.append((f"{label}, {runs[name]['program']}, {cause}", "corpus_test_10hz", name))
     sim_ooms = [n for n in sorted(sim) if oom(sim[n])]
     sim_growth_ooms = [n for n in sim_ooms if _cause(sim[n]) in sim_growth]
-    if sim_growth_ooms or sim_ooms:
-        n = (sim_growth_ooms or sim_ooms)[0]
+    if sim_growth_ooms:
+        n = sim_growth_ooms[0]
         picked.append((f"simulated OOM, {_cause(sim[n])}", "sim_test_full", n))
     sim_ok = [n for n in sorted(sim) if not oom(sim[n]) and sim[n]]
     if sim_ok:
         n = max(sim_ok, key=lambda n: peak(sim[n]))
         picked.append((f"simulated, no OOM, {_cause(sim[n])}", "sim_test_full", n))
-    sudden = [
-        ("corpus_test_10hz", n)
-        for n in sorted(corpus)
-        if oom(corpus[n]) and runs.get(n, {}).get("cause") not in GROWTH_CAUSES
-    ]
-    sudden += [("sim_test_full", n) for n in sim_ooms if _cause(sim[n]) not in sim_growth]
-    if sudden:
-        where, n = sudden[0]
-        doms = corpus[n] if where == "corpus_test_10hz" else sim[n]
-        picked.append((f"sudden OOM, {_cause(doms)}", where, n))
     out = []
     for label, where, n in picked:
         dom = _main_domain(corpus[n] if where == "corpus_test_10hz" else sim[n])
@@ -568,7 +558,7 @@ def plot_examples(examples: list[Example], fc: OnnxForecaster, path: Path) -> No
     for ax, ex in zip(axes[:, 0], examples, strict=False):
         d = ex.dom
         t0 = d.ts[0] if len(d.ts) else 0.0
-        ax.plot(d.ts - t0, d.used, color="tab:blue", lw=1, label="used fraction")
+        ax.plot(d.ts - t0, d.used, color="tab:blue", lw=1, label="level (share of the limit)")
         assert d.risk is not None
         ax.plot(
             d.ts - t0,
@@ -598,6 +588,30 @@ def plot_examples(examples: list[Example], fc: OnnxForecaster, path: Path) -> No
 def _corpus_runs(corpus: Path) -> dict[str, dict[str, Any]]:
     manifest = json.loads((corpus / "manifest.json").read_text(encoding="utf-8"))
     return {Path(r["file"]).name: r for r in manifest.get("runs", [])}
+
+
+def data_by_source(fc: OnnxForecaster, corpus: Path, sim_test: Path) -> dict[str, Any]:
+    """What the model was trained on (its metadata) and what this card judges it on."""
+    trained = json.loads(fc.metadata.get("oomcast.trained", "{}"))
+    runs = json.loads((corpus / "manifest.json").read_text(encoding="utf-8")).get("runs", [])
+    by_split: dict[str, dict[str, Any]] = {}
+    for r in runs:
+        entry = by_split.setdefault(r["split"], {"runs": 0, "hours": 0.0, "ooms": 0,
+                                                 "programs": set(), "kinds": {}})  # fmt: skip
+        entry["runs"] += 1
+        entry["hours"] += r.get("duration_s", 0.0) / 3600.0
+        entry["ooms"] += bool(r.get("oom"))
+        entry["programs"].add(r["program"])
+        entry["kinds"][r.get("kind", "?")] = entry["kinds"].get(r.get("kind", "?"), 0) + 1
+    corpus_out = {
+        split: {**e, "hours": round(e["hours"], 2), "programs": sorted(e["programs"])}
+        for split, e in sorted(by_split.items())
+    }
+    return {
+        "trained_on": trained.get("data", {}),
+        "corpus": {"path": str(corpus), "by_split": corpus_out},
+        "sim_test": {"path": str(sim_test), "traces": len(find_traces(sim_test))},
+    }
 
 
 def build(
@@ -676,6 +690,7 @@ def build(
     seconds["total"] = round(time.monotonic() - started, 1)
 
     result: dict[str, Any] = {
+        "data": data_by_source(fc, corpus, sim_test),
         "model": {
             "path": str(model_path),
             "version": fc.version,

@@ -85,9 +85,12 @@ def flat(r: random.Random, i: int) -> Trace:
 
 
 def startup_plateau(r: random.Random, i: int) -> Trace:
-    top, rise = r.uniform(0.1, 0.9), r.uniform(3, 120)
+    """A start-up climb that levels off: slowing as it nears its top (as filling caches and
+    loading weights do); a straight one only far below the limit, since a straight climb
+    that stops dead cannot be told from a leak until it stops."""
+    top, rise = r.uniform(0.1, 0.9), r.uniform(3, 180)
     start = r.uniform(0.0, 0.05)
-    linear = r.random() < 0.5
+    linear = top < 0.6 and r.random() < 0.5
 
     def level(t: float) -> float:
         if linear:
@@ -100,7 +103,7 @@ def startup_plateau(r: random.Random, i: int) -> Trace:
 def sawtooth(r: random.Random, i: int) -> Trace:
     top = r.uniform(0.6, 0.95)
     base = r.uniform(0.3, top - 0.05)
-    period = r.uniform(1.0, 40.0)
+    period = r.uniform(1.0, 60.0)
     return _emit(
         r, f"sawtooth-{i}", lambda t: base + (top - base) * ((t % period) / period),
         r.uniform(60, 1200), None,

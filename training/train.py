@@ -44,6 +44,7 @@ from oomcast.model.trace import find_traces
 from oomcast.training.classes import CENSOR_S, LONG_AFTER_S, NEAR_LEVEL
 from oomcast.training.dataset import (
     Sequence,
+    labels,
     load_folder,
     load_paths,
     normalization,
@@ -208,8 +209,43 @@ class Sources:
 
 SUDDEN_CAUSES = frozenset(
     ("eval_no_grad", "optimizer_state", "checkpoint_spike", "neighbour",  # simulated, host
-     "step_up", "eval_spike", "checkpoint")  # corpus
+     "step_up", "eval_spike", "checkpoint", "step_scale")  # the corpora
 )  # fmt: skip
+
+
+def grouped(
+    seqs: list[Sequence], group: str, drop_sudden: bool, runs: dict[str, dict[str, Any]] | None
+) -> list[Sequence]:
+    """``seqs`` labelled with their ``group``; with ``drop_sudden``, an OOM from one step
+    (``SUDDEN_CAUSES``) is left out, or, where a corpus manifest (``runs``, by file) says
+    when its step came, kept up to then and censored there: the steady minutes before it
+    ended in nothing the stream could have shown."""
+    out = []
+    for q in seqs:
+        q.group = group
+        run = (runs or {}).get(q.name.split(":", 1)[0])
+        if not drop_sudden:
+            out.append(q)
+        elif run is not None and run.get("kind") == "sudden" and run.get("onset_s"):
+            out.append(censor_at(q, float(run["onset_s"])))
+        elif not (q.ooms and cause_of(q.name) in SUDDEN_CAUSES):
+            out.append(q)
+    return out
+
+
+def censor_at(seq: Sequence, at_s: float) -> Sequence:
+    """The sequence up to ``at_s`` seconds after its first sample, as a run that survived
+    until then and is censored there."""
+    if seq.ooms and seq.oom_after_s is not None:
+        since_start = seq.oom_after_s - seq.tto
+    else:
+        since_start = seq.span_s - seq.known_s()
+    keep = since_start < at_s
+    known = at_s - since_start[keep]
+    y, m = labels(np.full(int(keep.sum()), np.inf), known)
+    return Sequence(seq.name, seq.x[keep], y, m, np.full(int(keep.sum()), np.inf), False,
+                    seq.group, known=known, oom_after_s=None, max_level=seq.max_level,
+                    span_s=at_s)  # fmt: skip
 
 
 def cause_of(name: str) -> str:
@@ -218,11 +254,22 @@ def cause_of(name: str) -> str:
     return name.split(":", 1)[0].removesuffix(".jsonl.gz").removesuffix(".jsonl").split("-")[-1]
 
 
-# How often a sequence of each source is drawn, relative to a simulated one. Real runs are
-# few and are what the model will meet; sequences that never OOM are drawn twice as often
-# as those that do, so the exposure is closer to a fleet's, where most jobs never OOM.
-SOURCE_WEIGHTS = {"sim": 1.0, "corpus": 4.0, "corpus_v1": 2.0, "host": 2.0, "extra": 3.0,
-                  "shapes": 1.0}  # fmt: skip
+# The share of the training draws each source gets (renormalized over the sources present);
+# within a source every second counts the same. The real jobs are what the model will meet,
+# and they are few beside the simulated seconds: their share is set, not left to their size.
+SOURCE_SHARES = {"sim": 0.35, "corpus": 0.35, "corpus_v1": 0.08, "host": 0.04, "extra": 0.08,
+                 "shapes": 0.10}  # fmt: skip
+
+
+def source_weights(seqs: list[Sequence]) -> np.ndarray:
+    """Per sequence, its source's share divided by the source's ticks: drawn in proportion
+    to ticks times this, each source gets its share and each second within it the same."""
+    ticks: dict[str, int] = {}
+    for s in seqs:
+        src = s.group.split(":")[0]
+        ticks[src] = ticks.get(src, 0) + len(s.x)
+    return np.asarray([SOURCE_SHARES[s.group.split(":")[0]] / ticks[s.group.split(":")[0]]
+                       for s in seqs])  # fmt: skip
 
 
 def load_sources(
@@ -236,24 +283,22 @@ def load_sources(
     train_seqs: list[Sequence] = []
     val_seqs: list[Sequence] = []
 
-    def add(target: list[Sequence], seqs: list[Sequence], group: str) -> None:
-        for seq in seqs:
-            seq.group = group
-        if src.drop_sudden:
-            seqs = [q for q in seqs if not (q.ooms and cause_of(q.name) in SUDDEN_CAUSES)]
-        target.extend(seqs)
+    def add(target: list[Sequence], seqs: list[Sequence], group: str,
+            runs: dict[str, dict[str, Any]] | None = None) -> None:  # fmt: skip
+        target.extend(grouped(seqs, group, src.drop_sudden, runs))
 
     if src.sim is not None:
         views = ("full", "nvml") if src.nvml_views else ("full",)
         for view in views:
             add(train_seqs, load_folder(src.sim / "train", cache, view=view), f"sim:{view}")
             add(val_seqs, load_folder(src.sim / "val", cache, view=view), f"sim:{view}")
-    if src.corpus is not None:
-        for view in ("full", "1hz"):
-            add(train_seqs, load_paths(corpus_paths(src.corpus, "train"), cache, view=view),
-                f"corpus:{view}")  # fmt: skip
-            add(val_seqs, load_paths(corpus_paths(src.corpus, "val"), cache, view=view),
-                f"corpus:{view}")  # fmt: skip
+    if src.corpus is not None:  # a corpus still being recorded may lack a split yet
+        manifest = json.loads((src.corpus / "manifest.json").read_text())
+        runs = {r["file"]: r for r in manifest["runs"]}
+        for split, target in (("train", train_seqs), ("val", val_seqs)):
+            paths = corpus_paths(src.corpus, split)
+            for view in ("full", "1hz") if paths else ():
+                add(target, load_paths(paths, cache, view=view), f"corpus:{view}", runs)
     if src.corpus_v1 is not None:
         from oomcast.training.corpus.plan import SPLITS as JOB_SPLITS
 
@@ -355,6 +400,7 @@ def train(
     max_ticks: int = 1800,
     lr: float = 3e-3,
     pos_weight: float = 1.0,
+    oom_weight: float = 3.0,
     cell_penalty: float = 1e-3,
     init_from: Path | str | None = None,
     patience: int = 10,
@@ -371,7 +417,7 @@ def train(
     most ``max_false_alarms`` of the OOM-free sequences of *every* validation group.
 
     Each epoch draws ``draws_per_epoch`` sequences (by source weight; see
-    ``SOURCE_WEIGHTS``) and runs each from its start, in chunks of ``chunk`` ticks with the
+    ``SOURCE_SHARES``) and runs each from its start, in chunks of ``chunk`` ticks with the
     LSTM state carried from chunk to chunk (truncated backpropagation through time): the
     network is trained exactly as the service runs it, from a job's first sample on."""
     from tqdm import tqdm
@@ -381,7 +427,7 @@ def train(
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     out = Path(out)
     train_seqs, val_seqs = load_sources(sources, cache, log)
-    weights = np.asarray([SOURCE_WEIGHTS[s.group.split(":")[0]] for s in train_seqs])
+    weights = source_weights(train_seqs)
     cfg = cfg or NetConfig()
     net = OOMForecastNet(cfg)
     mean, std = normalization(train_seqs)
@@ -407,6 +453,10 @@ def train(
                    disable=not progress)  # fmt: skip
         for group in bar:
             xs, tto, known, wts = _stack(group)
+            # the minutes before an OOM are a sliver of all seconds, and all that says when
+            # an OOM comes: weighed up, so the curve's shape there (its median, the time to
+            # OOM) is learned; the calibration afterwards puts the risks back in scale
+            wts = np.where(tto <= cfg.bins_s[-1], wts * oom_weight, wts)
             state = None
             for a in range(0, xs.shape[1], chunk):
                 x = torch.from_numpy(xs[:, a : a + chunk])

@@ -187,7 +187,7 @@ def test_the_time_to_oom_is_the_median_of_the_curve_given_an_oom_within_5_minute
     # no risk at all: half a second, never NaN
     assert float(median_time(torch.zeros(len(BINS_S)), edges)) == 0.5
     net = OOMForecastNet(NetConfig()).eval()
-    log_s, log_tto, _ = net.heads(torch.zeros(2, 3, net.cfg.n_features))
+    _, log_tto, _ = net.heads(torch.zeros(2, 3, net.cfg.n_features))
     assert log_tto.shape == (2, 3) and torch.isfinite(log_tto).all()
 
 

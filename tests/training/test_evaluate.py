@@ -16,6 +16,7 @@ from oomcast.model.baselines import baseline_by_name, baseline_detectors
 from oomcast.model.forecast import AlertRule, Detector
 from oomcast.model.schema import Event, Record, Sample
 from oomcast.model.trace import TraceError
+from oomcast.training.classes import ClassScore
 from oomcast.training.evaluate import (
     Causes,
     Score,
@@ -30,7 +31,7 @@ from oomcast.training.evaluate import (
 T0 = support.T0
 CORE_KEYS = {"recall", "median_lead_s", "false_alarms", "oom_traces", "ok_traces"}
 TTO_KEYS = {"tto_rel_err_60s", "tto_rel_err_30s", "tto_rel_err_10s"}
-KEYS = CORE_KEYS | TTO_KEYS
+KEYS = CORE_KEYS | TTO_KEYS | {"classes"}
 
 
 def core(summary: dict[str, Any]) -> dict[str, Any]:
@@ -199,6 +200,7 @@ def test_score_summary_rounding() -> None:
         "tto_rel_err_60s": no_tto,
         "tto_rel_err_30s": no_tto,
         "tto_rel_err_10s": no_tto,
+        "classes": ClassScore().summary(),  # none added one by one: no class to count
     }
     assert s.summary(40.2)["recall"] == 0.0
     assert Score(leads_s=[1.0, 2.0, 4.0]).summary(0)["recall"] is None
@@ -493,7 +495,13 @@ def test_per_trace_lines_by_hand(tmp_path: Path) -> None:
     by_key = {(x["trace"], x["detector"]): x for x in lines}
     for key, want in EXPECTED_LINES.items():
         got = by_key[key]
-        assert set(got) == {"trace", "detector", "cause", *want}, key
+        assert set(got) == {"trace", "detector", "cause", "class", "span_s", "max_level", *want}
+        if got["oom"]:
+            assert got["class"] == ("oom_long" if got["span_s"] >= 60 else "oom_short"), key
+        else:  # the hand traces stay far below their limit: an alert is a false alarm,
+            # unless it came in the trace's last minute (its future unknown)
+            assert got["class"] in (("censored", "ordinary") if got["false_alarm"]
+                                    else ("ordinary",)), key  # fmt: skip
         assert {k: got[k] for k in want} == want, key
         assert got["cause"] is None  # no manifest
     # predict_linear on the OK trace: whatever it did, the line says it consistently

@@ -208,14 +208,15 @@ def test_predict_sequences_runs_each_sequence_from_its_start_whatever_the_batch(
 
 def test_tto_error_is_the_median_relative_error_30_s_before_each_oom() -> None:
     net = _random_net(2)
-    with torch.no_grad():  # a head that always says 60 s
-        net.tto.weight.zero_()
-        net.tto.bias.fill_(float(np.log(60.0)))
+    with torch.no_grad():  # a curve whose OOM always falls between 45 and 60 s: 52.5 s
+        net.hazard.weight.zero_()
+        net.hazard.bias.fill_(-30.0)
+        net.hazard.bias[list(net.cfg.bins_s).index(60)] = 30.0
     seqs = [seq([100, 70, 40, 30, 20], True), seq([45, 35, 25], True), seq([np.inf] * 3, False)]
     for s in seqs:
         s.x = np.zeros((len(s.tto), TINY.n_features), np.float32)
-    # the last tick at least 30 s before: 30 s (error 1.0) and 35 s (error 25/35)
-    assert tto_error(net, seqs) == pytest.approx((1.0 + 25 / 35) / 2, rel=1e-5)
+    # the last tick at least 30 s before: 30 s (error 22.5/30) and 35 s (error 17.5/35)
+    assert tto_error(net, seqs) == pytest.approx((22.5 / 30 + 17.5 / 35) / 2, rel=1e-4)
     assert np.isnan(tto_error(net, [seqs[2]]))  # no OOM: nothing to measure
 
 
@@ -381,3 +382,24 @@ def test_training_can_go_on_from_an_earlier_checkpoint(
     moved = [k for k in earlier["weights"] if not k.startswith("cal_")
              and not torch.equal(earlier["weights"][k], ckpt["weights"][k])]  # fmt: skip
     assert moved == []  # the weights of seed 7, not the fresh ones of the default seed 0
+
+
+def test_a_sudden_corpus_oom_keeps_its_steady_minutes_censored_at_its_step() -> None:
+    from oomcast.training.train import grouped
+
+    sudden = seq([float(t) for t in range(300, 0, -1)], True)  # OOMs 600 s in; ticks 300-599
+    sudden.name = "gan-sudden-checkpoint.jsonl.gz:cgroup:/x"
+    sudden.known = None
+    runs = {"gan-sudden-checkpoint.jsonl.gz": {"kind": "sudden", "onset_s": 450.0}}
+    (kept,) = grouped([sudden], "corpus:full", True, runs)
+    assert not kept.ooms and kept.group == "corpus:full" and kept.span_s == 450.0
+    assert len(kept.x) == 150  # the ticks 300-449 s after the start: before the step
+    assert np.isinf(kept.tto).all() and kept.known_s()[0] == 150.0
+    assert kept.known_s()[-1] == 1.0 and not kept.y.any()
+    # without a manifest, a sudden cause named in the file is left out; others stay
+    other = seq([5.0, 4.0], True)
+    other.name = "00001-neighbour.jsonl.gz:gpu0"
+    leak = seq([5.0, 4.0], True)
+    leak.name = "00002-leak.jsonl.gz:gpu0"
+    assert [q.name for q in grouped([other, leak], "sim:full", True, None)] == [leak.name]
+    assert len(grouped([other, leak], "sim:full", False, None)) == 2

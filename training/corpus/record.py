@@ -58,8 +58,13 @@ CALIBRATION = "calibration.json"
 INTERVAL_S = 0.1
 MAX_DRIFT = 0.2
 ATTEMPTS = 3
+MAX_FAILURES = 4  # runs failing in a row before the recorder stops: something is broken
 CGROUP_PREFIX = "oomcast-jobs-"
 MIB = 1 << 20
+
+
+class RunFailed(RuntimeError):
+    """A run's program failed by itself (not killed for memory): it is not recorded."""
 
 
 def _env() -> dict[str, str]:
@@ -185,13 +190,18 @@ class Recorder:
     def _record(self, program: str, script_json: str, limit: int, trace: Path, name: str,
                 cpus: list[int], timeout_s: float) -> dict[str, Any]:  # fmt: skip
         stats = self.logs / f"{name}.stats.jsonl"
-        cmd = [sys.executable, "-m", "oomcast.training.corpus.run", program,
+        # -P and a folder of its own: nothing lying in a shared working folder (a stray
+        # inspect.py in /tmp once was) can shadow a module the program imports
+        cmd = [sys.executable, "-P", "-m", "oomcast.training.corpus.run", program,
                "--script", script_json, "--stats", str(stats)]  # fmt: skip
-        with open(self.logs / f"{name}.log", "w") as child_log:
+        with (
+            open(self.logs / f"{name}.log", "w") as child_log,
+            tempfile.TemporaryDirectory(prefix="oomcast-run-") as cwd,
+        ):
             return record(
                 cmd, limit_bytes=limit, out=trace, job=name, name=f"{CGROUP_PREFIX}{name}",
                 interval_s=INTERVAL_S, timeout_s=timeout_s, stdout=child_log, stderr=child_log,
-                cpus=cpus, env=_env(), cwd=tempfile.gettempdir(),
+                cpus=cpus, env=_env(), cwd=cwd,
             )  # fmt: skip
 
     def record_run(self, plan: RunPlan, core: int) -> dict[str, Any]:
@@ -223,6 +233,10 @@ class Recorder:
                 "compute_ratio": None if compute is None else round(compute / cal.compute_s, 3),
                 "attempts": attempt, "core": core, "node": socket.gethostname(),
             }  # fmt: skip
+            if result["exit_code"] != 0 and not result["oom"] and result["samples"] < 100:
+                tmp.unlink(missing_ok=True)
+                raise RunFailed(f"{plan.name}: the program failed (exit {result['exit_code']});"
+                                f" see {self.logs / (plan.name + '.log')}")  # fmt: skip
             ok = drift is not None and abs(drift) <= MAX_DRIFT
             self.log(
                 f"{plan.name} [{plan.split}] core {core}: limit {plan.limit_bytes / MIB:.0f} MiB"
@@ -282,6 +296,8 @@ class Recorder:
             todo.put(p)
         self.log(f"{len(pending)} runs to record ({len(done)} done), {self.workers} at a time")
 
+        failures = [0]  # in a row, over both workers
+
         def worker(core: int) -> None:
             while not self.stop.is_set():
                 try:
@@ -290,8 +306,13 @@ class Recorder:
                     return
                 try:
                     self._add(self.record_run(plan, core))
-                except Exception as exc:  # one broken run must not end the recording
-                    self.log(f"{plan.name} failed: {exc!r}")
+                    failures[0] = 0
+                except Exception as exc:  # one broken run must not end the recording...
+                    self.log(f"{plan.name} failed, not recorded: {exc}")
+                    failures[0] += 1
+                    if failures[0] >= MAX_FAILURES:  # ... but a broken setup must
+                        self.log(f"{failures[0]} runs in a row failed: stopping")
+                        self.stop.set()
 
         threads = [threading.Thread(target=worker, args=(core,)) for core in range(self.workers)]
         for t in threads:

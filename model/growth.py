@@ -69,7 +69,7 @@ class Fit:
     slope: float = 0.0  # fraction per second
     se: float = math.inf
     span_s: float = 0.0
-    steady: bool = False  # each third of the window rose at least half the fitted pace
+    steady: bool = False  # the rise has lasted (``persistent``)
 
     @property
     def valid(self) -> bool:
@@ -78,14 +78,22 @@ class Fit:
     @property
     def growing(self) -> bool:
         """A rise beyond noise: ``GROWTH_Z`` standard errors above zero, faster than the
-        floor, and kept up across the window (a spike at its end, or a climb that is levelling
-        off, rises in one third only)."""
+        floor, and one that has lasted (``persistent``)."""
         return (
             self.valid
             and self.steady
             and self.slope > MIN_SLOPE
             and self.slope - GROWTH_Z * self.se > 0.0
         )
+
+
+def persistent(m1: float, m2: float, m3: float, step: float) -> bool:
+    """Whether a window's rise has lasted, from the means of its thirds and half the rise
+    the fitted line gives a third (``step``): it had risen by the middle third, and has not
+    fallen back since. A spike at the window's end rises in the last third only (it may yet
+    fall back), and is not growth until it has lasted; a caching allocator's staircase, or a
+    growing sequence length's, rises in steps and is."""
+    return m2 - m1 >= step and m3 - m2 >= -step
 
 
 def fit_windows(t: list[float], y: list[float], newest: float) -> list[Fit]:
@@ -122,7 +130,7 @@ def _fit(t: list[float], y: list[float], newest: float, window: int) -> Fit:
         part = [v for x, v in zip(xs, y, strict=True) if a <= x < b]
         means.append(sum(part) / len(part) if part else math.nan)
     step = 0.5 * slope * span / 3.0
-    steady = means[1] - means[0] >= step and means[2] - means[1] >= step
+    steady = persistent(means[0], means[1], means[2], step)
     return Fit(slope, se, span, steady)
 
 
@@ -207,7 +215,7 @@ class GrowthTracker:
         m2 = (ys[b2] - ys[b1]) / (b2 - b1)
         m3 = (ys[end] - ys[b2] + y_now) / (end - b2 + 1)
         step = 0.5 * slope * span / 3.0
-        return Fit(slope, se, span, m2 - m1 >= step and m3 - m2 >= step)
+        return Fit(slope, se, span, persistent(m1, m2, m3, step))
 
     def _compute(self, now: float) -> list[float]:
         if not self._sums:

@@ -181,9 +181,9 @@ def test_the_time_to_oom_is_the_median_of_the_curve_given_an_oom_within_5_minute
     # half the runs OOM, uniformly over the five minutes: the median given an OOM is 150 s
     uniform = _curve([0.5 * e / 300 for e in BINS_S])
     assert float(median_time(uniform, edges)) == pytest.approx(150.0, rel=1e-4)
-    # all of it between 20 and 30 s: within the bin, at a constant hazard
-    inside = _curve([0.0, 0.0, 0.0, 0.0, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9])
-    assert 20.0 < float(median_time(inside, edges)) < 30.0
+    # all of it between 20 and 25 s: within the bin, at a constant hazard
+    inside = _curve([0.0 if e <= 20 else 0.9 for e in BINS_S])
+    assert 20.0 < float(median_time(inside, edges)) < 25.0
     # no risk at all: half a second, never NaN
     assert float(median_time(torch.zeros(len(BINS_S)), edges)) == 0.5
     net = OOMForecastNet(NetConfig()).eval()
@@ -196,31 +196,34 @@ def test_hazard_targets_mark_survived_bins_and_the_oom_s_bin() -> None:
     tto = torch.tensor([3.0, 30.0, 31.0, 400.0, inf, inf])
     known = torch.tensor([inf, inf, inf, inf, 25.0, 1000.0])
     survived, event = hazard_targets(tto, known, BINS_S)
+    at = list(BINS_S).index  # the bin that ends at
     assert event.tolist()[0][0] == 1 and survived[0].sum() == 0
-    assert survived[1].tolist()[:5] == [1, 1, 1, 1, 0] and event[1].argmax() == 4  # 20-30 s
-    assert survived[2].sum() == 5 and event[2].argmax() == 5  # 30-45 s
+    assert survived[1].sum() == at(30) and event[1].argmax() == at(30)  # 25-30 s
+    assert survived[2].sum() == at(35) and event[2].argmax() == at(35)  # 30-35 s
     assert survived[3].sum() == len(BINS_S) and event[3].sum() == 0  # beyond 5 minutes
     # censored 25 s ahead (a run that ended normally): only the bins that ended by then
-    assert survived[4].tolist() == [1, 1, 1, 1] + [0] * 8 and event[4].sum() == 0
-    assert survived[5].sum() == len(BINS_S)
+    assert survived[4].tolist() == [1] * (at(25) + 1) + [0] * (len(BINS_S) - at(25) - 1)
+    assert event[4].sum() == 0 and survived[5].sum() == len(BINS_S)
 
 
 def test_hazard_loss_counts_weighted_ticks_and_learns_where_the_oom_falls() -> None:
     logits = torch.zeros(1, 2, len(BINS_S), requires_grad=True)
-    tto = torch.tensor([[40.0, math.inf]])
+    tto = torch.tensor([[45.0, math.inf]])
     known = torch.tensor([[math.inf, 500.0]])
     survived, event = hazard_targets(tto, known, BINS_S)
     w = torch.tensor([[1.0, 0.0]])
     loss = hazard_loss(logits, survived, event, w)
-    # the first tick: five survived bins and the OOM's, each log(1/2); the second weighs 0
-    assert float(loss.detach()) == pytest.approx(6 * math.log(2.0), rel=1e-5)
+    # the first tick: the bins before 40 s survived and the OOM's (40-50 s), each log(1/2);
+    # the second weighs 0
+    at = list(BINS_S).index
+    assert float(loss.detach()) == pytest.approx((at(50) + 1) * math.log(2.0), rel=1e-5)
     opt = torch.optim.SGD([logits], lr=1.0)
     for _ in range(200):
         opt.zero_grad()
         hazard_loss(logits, survived, event, torch.ones(1, 2)).backward()
         opt.step()
     h = torch.sigmoid(logits.detach())
-    assert h[0, 0, 5] > 0.9 and (h[0, 0, :5] < 0.1).all()  # the OOM falls in 30-45 s
+    assert h[0, 0, at(50)] > 0.9 and (h[0, 0, : at(50)] < 0.1).all()  # OOM in 40-50 s
     assert (h[0, 1] < 0.1).all()  # the censored tick survived everything it saw
 
 

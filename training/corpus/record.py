@@ -199,7 +199,8 @@ class Recorder:
             tempfile.TemporaryDirectory(prefix="oomcast-run-") as cwd,
         ):
             return record(
-                cmd, limit_bytes=limit, out=trace, job=name, name=f"{CGROUP_PREFIX}{name}",
+                cmd, limit_bytes=limit, out=trace, job=name,
+                name=f"{CGROUP_PREFIX}{os.getpid()}-{name}",
                 interval_s=INTERVAL_S, timeout_s=timeout_s, stdout=child_log, stderr=child_log,
                 cpus=cpus, env=_env(), cwd=cwd,
             )  # fmt: skip

@@ -99,3 +99,22 @@ def test_a_run_whose_steps_cannot_keep_their_period_is_recorded_again(
     assert entry["attempts"] == 2 and not entry["accepted"]
     assert entry["period_drift"] > rec.MAX_DRIFT
     assert (tmp_path / entry["file"]).exists()  # kept, and marked
+
+
+@needs_cgroup
+def test_a_program_that_fails_by_itself_is_not_recorded_and_repeated_failures_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bad = [_plan(f"mlp_tabular-ordinary-{k}", limit=512 * MIB, duration_s=5.0) for k in range(6)]
+    for p in bad:  # a script the program refuses: it exits 2 before its first step
+        p.script.phases = [Phase("leak", 0.0, rate_bps=-1.0)]
+        p.script.period_s = -1.0
+    monkeypatch.setattr(rec.Recorder, "plan", lambda self, progs: bad)
+    (tmp_path / rec.CALIBRATION).write_text(json.dumps({"mlp_tabular": CAL.to_dict()}))
+    said: list[str] = []
+    recorder = rec.Recorder(tmp_path, workers=1, log=said.append)
+    recorder.run(["mlp_tabular"])
+    assert not (tmp_path / rec.MANIFEST).exists()  # nothing recorded
+    assert not list(tmp_path.glob("*.jsonl.gz"))
+    assert sum("failed, not recorded" in line for line in said) == rec.MAX_FAILURES
+    assert any("in a row failed: stopping" in line for line in said)

@@ -53,6 +53,9 @@ GROWTH_FEATURES: tuple[str, ...] = (
     "time_to_limit_hi",  # at slope - 2 SE: the latest (1 when that slope is not positive)
     "deceleration",
     "log1p_growth_age_s",
+    # where a climb that is slowing down would level off (``levelling``)
+    "plateau_headroom",  # 1 - the level it would level off at; -1: not levelling below 2x
+    "slowing_per_min",  # how fast the pace is falling: -(y''/y') in 1/min, 0 when not
 )
 N_GROWTH = len(GROWTH_FEATURES)
 TIME_CAP_S = 3600.0
@@ -245,11 +248,48 @@ class GrowthTracker:
             decel = max(-1.0, min(1.0, (b - a) / (abs(a) + abs(b) + 1e-5)))
         else:
             decel = 0.0
+        plateau, slowing = self._levelling(now, fits) if growing else (-1.0, 0.0)
         return [
             *(_pct(f.slope) if f.valid else 0.0 for f in fits),
             *(min(10.0, f.se * 100.0) if f.valid else 10.0 for f in fits),
-            mid, low, high, decel, math.log1p(age),
+            mid, low, high, decel, math.log1p(age), plateau, slowing,
         ]
+
+    def _levelling(self, now: float, fits: list[Fit]) -> tuple[float, float]:
+        """Where a climb that is slowing down would level off, from the pace of the last
+        half of the widest window up to a minute against the pace of its first half. A climb
+        that levels off exponentially (a cache filling, weights loading) slows by the same
+        factor every such span: its pace falls at a rate 1/tau, and it will level off at
+        the level now plus its pace times tau. A leak keeps its pace and never levels off.
+        Returns (1 - that level, clipped to [-1, 1], -1 when the pace is not falling; the
+        rate in 1/min, 0 when it is not falling)."""
+        half = 30.0 if fits[2].valid else 15.0
+        if not fits[1 if half == 15.0 else 2].valid:
+            return -1.0, 0.0
+        t = self.t
+        old = self._slope(bisect.bisect_left(t, now - 2 * half), bisect.bisect_left(t, now - half))
+        new = self._slope(bisect.bisect_left(t, now - half), len(t), now)
+        if new <= MIN_SLOPE or old <= new:
+            return -1.0, 0.0
+        rate = math.log(old / new) / half  # per second
+        pace_now = new * math.exp(-rate * half / 2.0)  # the fit's pace is the half's middle's
+        level_off = self.lo_now + pace_now / rate
+        if level_off >= 2.0:  # slowing so little it would not level off below twice the limit
+            return -1.0, 0.0
+        return min(1.0, 1.0 - level_off), min(10.0, rate * 60.0)
+
+    def _slope(self, first: int, end: int, now: float | None = None) -> float:
+        """The least-squares slope of the buckets first..end-1 (and the one being filled,
+        when ``now`` is given), from the running sums."""
+        c, sx, sxx, sy, sxy = (col[end] - col[first] for col in self._sums[:5])
+        if now is not None:
+            x = now - self._anchor
+            y = self.lo_now
+            c, sx, sxx, sy, sxy = c + 1, sx + x, sxx + x * x, sy + y, sxy + x * y
+        if c < 3:
+            return 0.0
+        vtt = sxx - sx * sx / c
+        return (sxy - sx * sy / c) / vtt if vtt > 0 else 0.0
 
     @staticmethod
     def _projection(fits: list[Fit], headroom: float) -> tuple[float, float, float]:
@@ -314,4 +354,5 @@ def _pct(slope: float) -> float:
 
 def idle_features() -> list[float]:
     """The features of a domain with no history: no slope, no growth, nothing in sight."""
-    return [*(0.0 for _ in WINDOWS_S), *(10.0 for _ in WINDOWS_S), 1.0, 1.0, 1.0, 0.0, 0.0]
+    return [*(0.0 for _ in WINDOWS_S), *(10.0 for _ in WINDOWS_S), 1.0, 1.0, 1.0, 0.0, 0.0,
+            -1.0, 0.0]  # fmt: skip

@@ -51,6 +51,8 @@ RETRIES_LEVEL = 0.9
 _AGE = FEATURES.index("log1p_growth_age_s")
 _TTL_LO = FEATURES.index("time_to_limit_lo")
 _RETRIES = FEATURES.index("log1p_retries_per_min")
+_TTL = [FEATURES.index(f) for f in ("time_to_limit", "time_to_limit_lo", "time_to_limit_hi")]
+_LOG_CAP = math.log1p(3600.0)  # the squashing of times (model/growth.py squash_s)
 
 
 @dataclass
@@ -88,6 +90,7 @@ class OOMForecastNet(nn.Module):
     x_mean: torch.Tensor
     x_scale: torch.Tensor
     edges: torch.Tensor
+    log_ends: torch.Tensor
     cal_a: torch.Tensor
     cal_b: torch.Tensor
 
@@ -99,8 +102,14 @@ class OOMForecastNet(nn.Module):
         self.embed = nn.Sequential(nn.Linear(cfg.n_features, cfg.embed_dim), nn.GELU())
         self.lstm = nn.LSTM(cfg.embed_dim, cfg.hidden, cfg.layers, batch_first=True)
         self.hazard = nn.Linear(cfg.hidden, len(cfg.bins_s))
+        # where the projection to the limit puts each bin: a small net, shared by the bins,
+        # of (log of the bin's end over the projected, earliest and latest time to the
+        # limit), weighed per step by how far the LSTM trusts the projection now
+        self.by_projection = nn.Sequential(nn.Linear(3, 16), nn.GELU(), nn.Linear(16, 1))
+        self.trust = nn.Linear(cfg.hidden, 1)
         self.register_buffer("edges", torch.tensor((0.0, *cfg.bins_s)))
         self._reported = cfg.horizon_bins()
+        self.register_buffer("log_ends", torch.log(torch.tensor(cfg.bins_s, dtype=torch.float32)))
         self.register_buffer("cal_a", torch.ones(len(cfg.horizons_s)))
         self.register_buffer("cal_b", torch.zeros(len(cfg.horizons_s)))
 
@@ -120,7 +129,12 @@ class OOMForecastNet(nn.Module):
         # clipped: a value far outside anything seen in training saturates, never explodes
         z = self.embed(torch.clamp((x - self.x_mean) / self.x_scale, -8.0, 8.0))
         out, new_state = self.lstm(z, state)  # (batch, time, hidden)
-        return self.hazard(out), new_state
+        # log seconds of the projection and its bounds, from their squashed features
+        proj = torch.log((torch.exp(x[..., _TTL] * _LOG_CAP) - 1.0).clamp(min=0.5))  # (b, t, 3)
+        rel = self.log_ends.unsqueeze(-1) - proj.unsqueeze(-2)  # (b, t, bins, 3): log(end / proj)
+        shaped = self.by_projection(rel.clamp(-6.0, 6.0)).squeeze(-1)  # (b, t, bins)
+        trust = nn.functional.softplus(self.trust(out))  # (b, t, 1)
+        return self.hazard(out) + trust * shaped, new_state
 
     def heads(
         self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | None = None

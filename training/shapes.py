@@ -101,11 +101,16 @@ def startup_plateau(r: random.Random, i: int) -> Trace:
 
 
 def sawtooth(r: random.Random, i: int) -> Trace:
+    """A sawtooth that always fits. It starts at a random point of a tooth's second half:
+    a whole first tooth of 30 s or more, climbing from the job's first sample, is a straight
+    climb no forecaster can tell from a leak until it drops (the property tests exempt it
+    too), and training should not be told it is safe."""
     top = r.uniform(0.6, 0.95)
     base = r.uniform(0.3, top - 0.05)
     period = r.uniform(1.0, 60.0)
+    phase = r.uniform(0.5, 1.0) * period
     return _emit(
-        r, f"sawtooth-{i}", lambda t: base + (top - base) * ((t % period) / period),
+        r, f"sawtooth-{i}", lambda t: base + (top - base) * (((t + phase) % period) / period),
         r.uniform(60, 1200), None,
     )  # fmt: skip
 

@@ -26,7 +26,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -399,6 +399,7 @@ def train(
     chunk: int = 128,
     max_ticks: int = 1800,
     lr: float = 3e-3,
+    ema_decay: float = 0.995,
     pos_weight: float = 1.0,
     oom_weight: float = 3.0,
     cell_penalty: float = 1e-3,
@@ -435,6 +436,12 @@ def train(
     if init_from is not None:  # go on from an earlier run's weights (and its normalization)
         net.load_state_dict(load_checkpoint(init_from)[0].state_dict())
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=1e-4)
+    # validated and kept: an exponential average of the weights (the raw ones swing from
+    # one epoch to the next, and the rule chosen on them with them)
+    ema = torch.optim.swa_utils.AveragedModel(
+        net,
+        multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(ema_decay),  # type: ignore[no-untyped-call]
+    )
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs, eta_min=lr / 20)
     log(
         f"training on {len(train_seqs)} sequences, validating on {len(val_seqs)}; {epochs}"
@@ -478,14 +485,16 @@ def train(
                 loss.backward()  # type: ignore[no-untyped-call]  # torch: backward() is unannotated
                 torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
                 opt.step()
+                ema.update_parameters(net)
                 state = (state[0].detach(), state[1].detach())
                 losses.append(loss.item())
             bar.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}")
         sched.step()
-        calibrate(net, val_seqs)
-        risks = predict_sequences(net, val_seqs)
+        judged = cast(OOMForecastNet, ema.module)  # the averaged weights
+        calibrate(judged, val_seqs)
+        risks = predict_sequences(judged, val_seqs)
         rule = best_rule(score_rules(val_seqs, risks, max_false_alarms), max_false_alarms)
-        tto_err = tto_error(net, val_seqs)
+        tto_err = tto_error(judged, val_seqs)
         elapsed = (time.monotonic() - started) / 60
         history.append({"epoch": epoch, "loss": float(np.mean(losses)), "minutes": elapsed,
                         "tto_rel_err_30s": tto_err, **rule.__dict__})  # fmt: skip
@@ -502,10 +511,10 @@ def train(
                 "score": score,
                 "epoch": epoch,
                 "rule": rule,
-                "state": {k: v.clone() for k, v in net.state_dict().items()},
+                "state": {k: v.clone() for k, v in judged.state_dict().items()},
             }
             stale = 0
-            save_checkpoint(out / "best.pt", net, rule, epoch=epoch, seed=seed)
+            save_checkpoint(out / "best.pt", judged, rule, epoch=epoch, seed=seed)
         else:
             stale += 1
         if stale >= patience or elapsed > max_minutes:

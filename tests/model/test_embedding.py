@@ -76,7 +76,7 @@ def squashed(seconds: float) -> float:
 
 
 def test_feature_names_are_unique_and_counted() -> None:
-    assert len(set(FEATURES)) == len(FEATURES) == N_FEATURES == 43
+    assert len(set(FEATURES)) == len(FEATURES) == N_FEATURES == 45
     assert FEATURES == INSTANT_FEATURES + CONTEXT_FEATURES
     assert FEATURES[:N_INSTANT] == INSTANT_FEATURES and N_INSTANT == 14
     assert EMBEDDING_VERSION == 5

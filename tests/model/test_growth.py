@@ -138,3 +138,16 @@ def test_state_round_trips_and_malformed_state_names_the_key() -> None:
         GrowthTracker.from_dict(tracker.to_dict() | {"features": [0.0]})
     assert len(idle_features()) == N_GROWTH
     assert squash_s(3600.0) == 1.0 and squash_s(0.0) == 0.0
+
+
+def test_a_climb_that_slows_says_where_it_will_level_off_and_a_leak_never_does() -> None:
+    def approach(t: float) -> float:  # levels off at 89%, time constant 50 s
+        return 0.3 + 0.59 * (1 - math.exp(-t / 50))
+
+    feats = run(approach, 200, 1.0)
+    for t in (40, 60, 120):
+        assert feats[t][IDX["plateau_headroom"]] == pytest.approx(0.11, abs=0.05), t
+        assert feats[t][IDX["slowing_per_min"]] == pytest.approx(60 / 50, rel=0.1), t
+    leak = run(lambda t: 0.3 + 0.004 * t, 150, 10.0)
+    assert all(f[IDX["plateau_headroom"]] == -1.0 for f in leak.values())
+    assert all(f[IDX["slowing_per_min"]] == 0.0 for f in leak.values())

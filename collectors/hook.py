@@ -56,8 +56,8 @@ Hugging Face callbacks (:mod:`oomcast.collectors.integrations`) do.
 **Where things are**: settings and their ``OOMCAST_*`` variables in ``hook_settings``,
 reading the figures in ``hook_memory``, the queues and the publishing thread in
 ``hook_outbox``, checkpoint requests in ``hook_jobctl``, the training step, phases and the
-job's schedule (``set_schedule``, ``phase()``) in ``hook_phases``, the benchmark in
-``hook_bench``.
+job's schedule (``set_schedule``, ``phase()``) in ``hook_phases``; the benchmark is
+``bench/hook.py``.
 """
 
 from __future__ import annotations
@@ -75,7 +75,6 @@ from typing import Any
 
 import redis
 
-from oomcast.collectors.hook_bench import bench_hook
 from oomcast.collectors.hook_bundle import BundleHook
 from oomcast.collectors.hook_jobctl import (
     CheckpointRequest,
@@ -493,7 +492,6 @@ __all__ = [  # what this module offered before it was split (README, integration
     "HookStats",
     "JobCommand",
     "MemoryHook",
-    "bench_hook",
     "cuda_device_name",
     "encode_jobctl",
     "format_gpu_uuid",

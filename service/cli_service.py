@@ -91,16 +91,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     url = args.redis_url or redis_url_from_env()
     result: dict[str, Any]
     if args.what == "inference":
-        from oomcast.service.bench import bench_inference
+        from oomcast.bench.inference import bench_inference
 
         model, weights = _bench_model(args.model)
         result = bench_inference(model, seconds=args.seconds, weights=weights)
     elif args.what == "hook":
-        from oomcast.collectors.hook import bench_hook
+        from oomcast.bench.hook import bench_hook
 
         result = bench_hook(args.steps, url)
     elif args.what == "api" and args.predict:
-        from oomcast.service.bench_api import ApiBenchError, bench_predict, parse_concurrency
+        from oomcast.bench.api import ApiBenchError, bench_predict, parse_concurrency
 
         try:
             result = bench_predict(
@@ -109,7 +109,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except (ValueError, ApiBenchError) as exc:
             raise UsageError(str(exc)) from None
     elif args.what == "api":
-        from oomcast.service.bench_api import bench_api
+        from oomcast.bench.api import bench_api
 
         if args.domains < 1 or args.requests < 1:
             raise UsageError("bench api: --domains and --requests must be at least 1")
@@ -117,7 +117,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         import redis
 
-        from oomcast.collectors.bench import bench_agent
+        from oomcast.bench.agent import bench_agent
 
         try:
             result = bench_agent(
@@ -142,7 +142,7 @@ def _print_figures(result: dict[str, Any], as_json: bool) -> None:
 def _bench_ingest(args: argparse.Namespace) -> int:
     """``oomcast bench ingest``: ``oomcast serve`` replicas fed real stream entries
     (docs/bench.md)."""
-    from oomcast.service.bench_ingest import IngestBenchError, bench_ingest
+    from oomcast.bench.ingest import IngestBenchError, bench_ingest
 
     if args.plot and not args.soak:
         raise UsageError("--plot draws a soak's RSS over time: give it with --soak")
@@ -176,7 +176,7 @@ def _bench_ingest(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     _print_figures(result, args.json)  # first: a plot that fails loses no figure
     if args.plot:
-        from oomcast.service.bench_plot import plot_soak
+        from oomcast.bench.plot import plot_soak
 
         print(f"wrote {plot_soak(result, args.plot)}", file=sys.stderr)
     return 0
@@ -184,7 +184,7 @@ def _bench_ingest(args: argparse.Namespace) -> int:
 
 def _bench_cluster(args: argparse.Namespace) -> int:
     """``oomcast bench cluster``: 1, then N replicas draining a local Redis Cluster."""
-    from oomcast.service.bench_cluster import ClusterBenchError, bench_cluster, parse_replicas
+    from oomcast.bench.cluster import ClusterBenchError, bench_cluster, parse_replicas
 
     try:
         result = bench_cluster(
@@ -203,7 +203,7 @@ def _bench_faults(args: argparse.Namespace) -> int:
     """``oomcast bench faults``: exit 1 when any scenario lost something or acted wrongly."""
     import sys
 
-    from oomcast.service.faults import FaultBenchError, format_text, parse_only, run_faults
+    from oomcast.bench.faults import FaultBenchError, format_text, parse_only, run_faults
 
     try:
         names = parse_only(args.only)

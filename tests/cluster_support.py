@@ -1,5 +1,5 @@
 """A real Redis Cluster for the tests: 3 primaries started from the ``redis-server`` binary
-(``service/local_cluster.py`` starts and joins them), and what tests on it share.
+(``bench/local_cluster.py`` starts and joins them), and what tests on it share.
 
 A test module takes the cluster as a fixture of its own scope::
 
@@ -23,10 +23,10 @@ import pytest
 import redis
 from support import oomcast_cmd, wait_until
 
+from oomcast.bench.load import group_progress
+from oomcast.bench.local_cluster import LocalCluster, LocalClusterError, binaries
 from oomcast.model.schema import Sample
 from oomcast.model.wire import Keys, encode_samples, sample_payload
-from oomcast.service.bench_load import group_progress
-from oomcast.service.local_cluster import LocalCluster, LocalClusterError, binaries
 
 GIB = 1 << 30
 

@@ -20,10 +20,10 @@ import pytest
 import redis
 from support import wait_until
 
+from oomcast.bench.hook import bench_hook
 from oomcast.collectors import hook as hook_mod
 from oomcast.collectors.hook import (
     MemoryHook,
-    bench_hook,
     encode_jobctl,
     format_gpu_uuid,
     jobctl_key,

@@ -11,10 +11,10 @@ import redis
 from cluster_support import cluster_prefix, local_cluster, tick
 from support import free_port
 
+from oomcast.bench.local_cluster import LocalCluster
 from oomcast.collectors.publisher import Entry, StreamPublisher
 from oomcast.collectors.redis_connect import LazyCluster, connect
 from oomcast.model.wire import Keys
-from oomcast.service.local_cluster import LocalCluster
 
 cluster = pytest.fixture(scope="module", name="cluster")(local_cluster)
 

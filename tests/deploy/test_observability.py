@@ -33,10 +33,10 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 from support import v2_files, write_files
 
+from oomcast.bench.fake_nvml import GIB, FakeGpu, FakeNvml, NVMLError_Unknown
 from oomcast.collectors.actiontypes import ActionResult
 from oomcast.collectors.agent import NodeAgent
 from oomcast.collectors.control import ControlListener
-from oomcast.collectors.fake_nvml import GIB, FakeGpu, FakeNvml, NVMLError_Unknown
 from oomcast.collectors.metrics import agent_samples, render
 from oomcast.collectors.nvml import Nvml
 from oomcast.collectors.procinfo import ProcResolver

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TOP = ("model", "collectors", "service", "training", "preflight")
+TOP = ("model", "collectors", "service", "training", "preflight", "bench")
 SUBCOMMANDS = ("demo", "serve", "collect", "control-key", "dump", "simulate", "evaluate",
                "train", "export", "card", "preflight", "bench", "check", "explain")  # fmt: skip
 

@@ -132,7 +132,7 @@ def run_in(
     )
 
 
-TRAINER = [sys.executable, "-m", "oomcast.training.leaky_trainer"]
+TRAINER = [sys.executable, "-m", "oomcast.bench.trainers.leaky"]
 TRAIN_ARGS = ["--leak-after", "40", "--width", "1024", "--batch", "256", "--step-s", "0.06"]
 
 

@@ -38,11 +38,11 @@ from cluster_support import (
 from redis.asyncio.cluster import RedisCluster
 from support import WebhookReceiver, free_port, oomcast_cmd, wait_until
 
+from oomcast.bench.local_cluster import LocalCluster
 from oomcast.collectors.publisher import Entry, StreamPublisher
 from oomcast.collectors.redis_connect import connect
 from oomcast.model.wire import Keys
 from oomcast.service.leases import PartitionLeases
-from oomcast.service.local_cluster import LocalCluster
 from oomcast.service.outbox import Delivery, Outbox
 from oomcast.service.snapshot import SnapshotStore
 

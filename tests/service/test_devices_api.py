@@ -10,9 +10,9 @@ import pytest
 from fastapi.testclient import TestClient
 from support import GIB, T0, sample, wait_until
 
+from oomcast.bench.api import bench_api
 from oomcast.model.baselines import ThresholdBaseline
 from oomcast.model.schema import Sample
-from oomcast.service.bench_api import bench_api
 from oomcast.service.device_query import DeviceFilter, decode_cursor, encode_cursor
 from oomcast.service.main import create_app
 from oomcast.service.rules import Rule

@@ -1,6 +1,6 @@
 """Phase-aware warnings end to end, on a real job and the real kernel OOM killer.
 
-A real PyTorch training loop (training/eval_spike_trainer.py, CPU) runs in a real memory
+A real PyTorch training loop (bench/trainers/eval_spike.py, CPU) runs in a real memory
 cgroup that its training fits in and its first eval does not: the eval keeps every batch's
 graph alive. Nothing in its memory stream announces the eval; the job's hook does: the
 schedule (an eval every 160 steps, 0.25 s a step) and the eval's extra bytes as a preflight
@@ -40,7 +40,7 @@ EVAL_EVERY = 160
 STEP_S = 0.25  # the first eval comes 40 s after the first step
 LEAD_S = 30.0
 DEFAULT_RULES = Path(__file__).parents[2] / "service" / "default_rules.yaml"
-TRAINER = [sys.executable, "-m", "oomcast.training.eval_spike_trainer"]
+TRAINER = [sys.executable, "-m", "oomcast.bench.trainers.eval_spike"]
 
 
 def job_events(log: Path) -> list[dict[str, Any]]:

@@ -14,8 +14,8 @@ from cluster_support import cluster_prefix, local_cluster
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
+from oomcast.bench.local_cluster import LocalCluster
 from oomcast.model.wire import Keys
-from oomcast.service.local_cluster import LocalCluster
 from oomcast.service.streams_read import CLUSTER_BLOCK_MS, is_cluster, read_new
 
 cluster = pytest.fixture(scope="module", name="cluster")(local_cluster)

@@ -1,0 +1,124 @@
+"""``oomcast bench faults``: the scenarios run on real processes and report what they
+measured; the ledger counts a loss as a loss."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections import Counter
+
+import pytest
+from support import oomcast_cmd
+
+from oomcast.bench.faults import SCENARIOS, parse_only
+from oomcast.bench.faults.ledger import Copies, Producer, alert_figures, sample_figures
+from oomcast.service.outbox import delivery_id
+
+A = ("n1", "gpu0", 1.0)
+B = ("n1", "gpu0", 2.0)
+C = ("n1", "gpu0", 3.0)
+
+
+def test_a_sample_never_acknowledged_or_missing_from_redis_is_lost() -> None:
+    c = Copies()
+    c.stored.update([A, B, B])  # B twice: a re-send
+    c.acked.update([A, B])
+    figures = sample_figures(c, [Producer("agent", "n1", accepted=3)])  # C never got in
+    assert figures["samples_processed"] == 2
+    assert figures["samples_lost"] == 1
+    assert figures["samples_extra_copies"] == 1
+
+    exact = sample_figures(c, [Producer("http", "n1", 2, ids={A, C})])
+    assert exact["samples_lost"] == 1  # C, by name, not by subtraction
+
+
+def test_a_refused_sample_is_dead_lettered_not_processed() -> None:
+    c = Copies()
+    c.stored.update([A, B])
+    c.acked.update([A, B])
+    c.refused.update([B])
+    c.reasons[B] = {"out_of_order"}
+    figures = sample_figures(c, [Producer("agent", "n1", accepted=2)])
+    assert (figures["samples_processed"], figures["samples_deadlettered"]) == (1, 1)
+    assert figures["samples_deadlettered_by_reason"] == {"out_of_order": 1}
+    assert figures["samples_lost"] == 0
+
+
+def test_alerts_owed_delivered_duplicated_and_lost() -> None:
+    def alert(episode: str, sent_at: float) -> dict[str, object]:
+        return {
+            "status": "firing",
+            "episode": episode,
+            "sent_at": sent_at,
+            "dispatched": {"webhook": "owed"},
+        }
+
+    records = [alert("e1", 10.0), alert("e2", 11.0), alert("e3", 12.0)]
+    records.append({"record": "delivery", "target": "webhook", "outcome": "delivered"})
+    got = Counter({delivery_id(records[0], "webhook"): 2, delivery_id(records[1], "webhook"): 1})
+    first_at = {delivery_id(records[0], "webhook"): 10.5, delivery_id(records[1], "webhook"): 14.0}
+    figures = alert_figures(records, got, first_at)
+    assert figures["alerts_owed"] == 3
+    assert figures["alerts_delivered"] == 2
+    assert figures["alerts_duplicated"] == 1
+    assert figures["alerts_lost"] == 1
+    assert figures["deliveries_ended_by_outcome"] == {"delivered": 1}
+    assert (figures["alert_delivery_p50_s"], figures["alert_delivery_max_s"]) == (3.0, 3.0)
+
+
+def test_only_names_scenarios_in_the_bench_order() -> None:
+    assert parse_only("oversized_body,forged_command") == ["forged_command", "oversized_body"]
+    assert parse_only(None) == list(SCENARIOS)
+    with pytest.raises(ValueError, match="unknown scenario nope"):
+        parse_only("forged_command,nope")
+
+
+@pytest.mark.slow
+def test_cli_bench_faults_json_forged_command_and_oversized_body() -> None:
+    done = subprocess.run(
+        oomcast_cmd("bench", "faults", "--only", "forged_command,oversized_body", "--json"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.stdout, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert set(result["scenarios"]) == {"forged_command", "oversized_body"}
+    for name, figures in result["scenarios"].items():
+        for key in (
+            "samples_accepted",
+            "samples_lost",
+            "alerts_owed",
+            "alerts_delivered",
+            "alerts_duplicated",
+            "actions_wrongly_taken",
+            "recovery_s",
+            "ok",
+            "problems",
+        ):
+            assert key in figures, (name, key)
+        assert figures["actions_wrongly_taken"] == 0, (name, figures["problems"])
+        assert figures["samples_accepted"] > 0, name
+    forged = result["scenarios"]["forged_command"]
+    assert forged["commands_refused_by_reason"] == {
+        "bad_signature": 2,
+        "unsigned": 1,
+        "unconfirmed": 1,
+    }
+    assert forged["control_victim_ended"] is True  # a shed that got through would be seen
+    posts = result["scenarios"]["oversized_body"]["posts"]
+    assert posts["unauthenticated"]["status"] == 401
+    assert posts["authenticated_chunked"]["status"] == 413
+    assert done.returncode == (0 if result["ok"] else 1), done.stderr[-3000:]
+    assert result["ok"], json.dumps(result, indent=1)[-3000:]
+
+
+def test_cli_bench_faults_refuses_an_unknown_scenario() -> None:
+    done = subprocess.run(
+        oomcast_cmd("bench", "faults", "--only", "nope"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "unknown scenario nope" in done.stderr

@@ -16,21 +16,31 @@ ARG PYTHON_IMAGE=python:3.11-slim
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-# .dockerignore keeps data/, runs/, .venv/, tests/, caches and the like out of the context.
+# .dockerignore keeps data/, runs/, .venv/, tests/, caches and the like out of the context;
+# setup.py (package discovery) and the source folders must stay in it.
 COPY . .
 RUN pip wheel --no-deps --wheel-dir /wheels .
 
+# Each image keeps the parts of the package it runs and removes the others from the
+# installed wheel: the service keeps cli/, model/ and service/; the collector cli/, model/
+# and collectors/. Neither carries the harnesses (bench/), training or preflight (torch)
+# or the recorded traces. tests/packaging/test_wheel.py runs the collector's commands from
+# a wheel stripped the same way.
 FROM ${PYTHON_IMAGE} AS service-env
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY --from=build /wheels /wheels
 RUN python -m venv --without-pip /opt/oomcast \
-    && pip --python /opt/oomcast/bin/python install "$(echo /wheels/oomcast-*.whl)[service,onnx]"
+    && pip --python /opt/oomcast/bin/python install "$(echo /wheels/oomcast-*.whl)[service,onnx]" \
+    && cd "$(/opt/oomcast/bin/python -c 'import oomcast.cli, os; print(os.path.dirname(os.path.dirname(oomcast.cli.__file__)))')" \
+    && rm -rf bench collectors training preflight
 
 FROM ${PYTHON_IMAGE} AS collector-env
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY --from=build /wheels /wheels
 RUN python -m venv --without-pip /opt/oomcast \
-    && pip --python /opt/oomcast/bin/python install "$(echo /wheels/oomcast-*.whl)[collector]"
+    && pip --python /opt/oomcast/bin/python install "$(echo /wheels/oomcast-*.whl)[collector]" \
+    && cd "$(/opt/oomcast/bin/python -c 'import oomcast.cli, os; print(os.path.dirname(os.path.dirname(oomcast.cli.__file__)))')" \
+    && rm -rf bench service training preflight
 
 FROM ${PYTHON_IMAGE} AS service
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/oomcast/bin:$PATH

@@ -9,7 +9,7 @@ out of the wheel by a hand-written list (``tests/packaging`` checks it).
 
 from setuptools import find_packages, setup
 
-TOP = ("model", "collectors", "service", "training", "preflight", "bench")
+TOP = ("model", "collectors", "service", "training", "preflight", "cli", "bench")
 
 setup(
     packages=["oomcast." + p for p in find_packages(include=[*TOP, *(t + ".*" for t in TOP)])],

@@ -50,7 +50,7 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float 
 
 def oomcast_argv(*args: str) -> list[str]:
     """How the bench starts an ``oomcast`` subcommand: this interpreter, this package."""
-    return [sys.executable, "-m", "oomcast.service.cli", *args]
+    return [sys.executable, "-m", "oomcast.cli.main", *args]
 
 
 class Procs:

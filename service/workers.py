@@ -184,7 +184,7 @@ class WorkerPool:
 
     def argv(self, w: Worker) -> list[str]:
         return [
-            sys.executable, "-m", "oomcast.service.cli", "--log-level", self.log_level,
+            sys.executable, "-m", "oomcast.cli.main", "--log-level", self.log_level,
             "serve", "--uds", str(w.socket),
         ]  # fmt: skip
 

@@ -193,7 +193,7 @@ def wait_until(predicate: Any, timeout_s: float = 20.0, interval_s: float = 0.05
 
 
 def oomcast_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "oomcast.service.cli", *args]
+    return [sys.executable, "-m", "oomcast.cli.main", *args]
 
 
 def start_serve(env: dict[str, str], port: int) -> subprocess.Popen[bytes]:

@@ -894,7 +894,7 @@ def test_every_command_line_parses_with_the_interface() -> None:
 
 
 def test_command_lines_parse_with_the_real_cli() -> None:
-    from oomcast.service.cli import build_parser
+    from oomcast.cli.main import build_parser
 
     parser = build_parser()
     sub_action = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
@@ -1052,6 +1052,19 @@ def dockerignored(rel: str) -> bool:
     return ignored
 
 
+def source_folders() -> tuple[str, ...]:
+    """The folders setup.py installs as oomcast.* (its ``TOP``)."""
+    import ast
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "TOP":
+            value = ast.literal_eval(node.value)
+            assert isinstance(value, tuple)
+            return value
+    raise AssertionError("setup.py has no TOP")
+
+
 def test_dockerignore_keeps_the_context_small_but_buildable() -> None:
     for rel in (
         "data/sim/train/0001.jsonl.gz",
@@ -1066,11 +1079,11 @@ def test_dockerignore_keeps_the_context_small_but_buildable() -> None:
         "deploy/compose.yaml",
     ):
         assert dockerignored(rel), rel
-    needed = ["pyproject.toml", PYPROJECT["project"]["readme"]]
-    for folder in PYPROJECT["tool"]["setuptools"]["package-dir"].values():
+    needed = ["pyproject.toml", "setup.py", PYPROJECT["project"]["readme"]]
+    for folder in source_folders():
         needed.append(f"{folder}/__init__.py")
     for package, globs in PYPROJECT["tool"]["setuptools"]["package-data"].items():
-        folder = PYPROJECT["tool"]["setuptools"]["package-dir"][package]
+        folder = package.removeprefix("oomcast.").replace(".", "/")
         for pattern in globs:
             needed += [str(p.relative_to(ROOT)) for p in (ROOT / folder).glob(pattern)]
     assert "model/oomcast-lstm.onnx" in needed

@@ -42,9 +42,10 @@ import pytest
 import redis
 from support import free_port, wait_until
 
-from oomcast.service.cli import build_parser
+from oomcast.cli.env import CommandEnv
+from oomcast.cli.main import build_parser
 from oomcast.service.rulefile import check_rules_file
-from oomcast.service.settings import CommandEnv, Settings
+from oomcast.service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from oomcast.cli.env import CommandEnv
 from oomcast.model.cluster import cluster_url_problem
-from oomcast.service.settings import CommandEnv, Settings
+from oomcast.service.settings import Settings
 
 
 @pytest.mark.parametrize(

@@ -9,12 +9,13 @@ import subprocess
 import sys
 import sysconfig
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TOP = ("model", "collectors", "service", "training", "preflight", "bench")
+TOP = ("model", "collectors", "service", "training", "preflight", "cli", "bench")
 SUBCOMMANDS = ("demo", "serve", "collect", "control-key", "dump", "simulate", "evaluate",
                "train", "export", "card", "preflight", "bench", "check", "explain")  # fmt: skip
 
@@ -75,10 +76,21 @@ def test_the_wheel_holds_every_module_and_no_test(wheel: Path) -> None:
     assert "oomcast/service/default_rules.yaml" in names
 
 
-@pytest.mark.slow
-def test_every_subcommand_answers_help_from_the_installed_wheel(
-    wheel: Path, tmp_path: Path
-) -> None:
+@dataclass
+class Installed:
+    python: Path
+    site: Path
+    oomcast: Path
+
+    def run(self, *argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(self.oomcast), *argv], capture_output=True, text=True,
+                              timeout=120, cwd=cwd)  # fmt: skip
+
+
+@pytest.fixture
+def installed(wheel: Path, tmp_path: Path) -> Installed:
+    """The wheel in a fresh venv; its dependencies come from this environment's
+    site-packages, read as a plain path (a .pth line, which runs no editable finder)."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
                    timeout=120)  # fmt: skip
@@ -88,39 +100,55 @@ def test_every_subcommand_answers_help_from_the_installed_wheel(
          str(wheel)],
         check=True, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    # the dependencies come from this environment's site-packages, read as a plain path
-    # (a .pth line, which does not run this environment's editable finder for oomcast)
-    site = subprocess.run(
+    site = Path(subprocess.run(
         [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True, capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
-    (Path(site) / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    ).stdout.strip())  # fmt: skip
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     where = subprocess.run(
         [str(py), "-c", "import oomcast.model; print(oomcast.model.__file__)"],
         check=True, capture_output=True, text=True,
     ).stdout  # fmt: skip
-    assert where.startswith(site), where  # the wheel's oomcast, not the repository's
+    assert where.startswith(str(site)), where  # the wheel's oomcast, not the repository's
+    return Installed(py, site, venv / "bin" / "oomcast")
+
+
+@pytest.mark.slow
+def test_every_module_imports_and_every_subcommand_answers_help_from_the_wheel(
+    installed: Installed, tmp_path: Path
+) -> None:
     # every module of the installed package imports (a subpackage left out of the wheel,
     # as service/faults once was, fails here: --help alone never imports the harnesses)
     walk = (
         "import importlib, pkgutil, oomcast\n"
-        "names = [m.name for m in pkgutil.walk_packages(oomcast.__path__, 'oomcast.')]\n"
+        "names = [m.name for m in pkgutil.walk_packages(oomcast.__path__, 'oomcast.')\n"
+        "         if not m.name.endswith('.__main__')]  # (that one runs the command)\n"
         "for name in names:\n"
         "    importlib.import_module(name)\n"
         "print(len(names))\n"
     )
-    done = subprocess.run([str(py), "-c", walk], capture_output=True, text=True, timeout=600,
-                          cwd=tmp_path)  # fmt: skip
+    done = subprocess.run([str(installed.python), "-c", walk], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout.split()[-1]) >= len(source_modules()) - len(TOP)
-    oomcast = venv / "bin" / "oomcast"
     for argv in ([], *([c] for c in SUBCOMMANDS)):
-        done = subprocess.run([str(oomcast), *argv, "--help"], capture_output=True, text=True,
-                              timeout=120, cwd=tmp_path)  # fmt: skip
+        done = installed.run(*argv, "--help", cwd=tmp_path)
         assert done.returncode == 0, (argv, done.stderr[-2000:])
         assert "usage:" in done.stdout, argv
-    # the bench kinds that import their harnesses: the modules are there to import
-    for kind in ("faults", "ingest", "cluster", "api", "inference", "agent", "hook"):
-        done = subprocess.run([str(oomcast), "bench", kind, "--help"], capture_output=True,
-                              text=True, timeout=120, cwd=tmp_path)  # fmt: skip
-        assert done.returncode == 0, (kind, done.stderr[-2000:])
+
+
+@pytest.mark.slow
+def test_the_collectors_image_runs_the_agent_without_the_service_or_the_harnesses(
+    installed: Installed, tmp_path: Path
+) -> None:
+    """The collector image leaves service/ and bench/ out of the wheel it installs."""
+    for part in ("service", "bench"):
+        shutil.rmtree(installed.site / "oomcast" / part)
+    for argv in (["collect", "--help"], ["control-key", "--help"], ["--help"]):
+        done = installed.run(*argv, cwd=tmp_path)
+        assert done.returncode == 0, (argv, done.stderr[-2000:])
+    done = installed.run("control-key", "--node", "n1", cwd=tmp_path)
+    assert "OOMCAST_CONTROL_SECRET" in done.stdout + done.stderr  # it ran, and says what it needs
+    done = installed.run("serve", cwd=tmp_path)
+    assert done.returncode == 2 and "oomcast.service" in done.stderr, done.stderr[-2000:]
+    assert "pip install 'oomcast[service]'" in done.stderr

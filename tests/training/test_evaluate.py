@@ -251,7 +251,7 @@ def test_format_table(folder: Path) -> None:
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "oomcast.service.cli", "evaluate", *args],
+        [sys.executable, "-m", "oomcast.cli.main", "evaluate", *args],
         capture_output=True,
         text=True,
         timeout=60,

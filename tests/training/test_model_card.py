@@ -354,7 +354,7 @@ def test_figures_and_examples(card: dict[str, Any]) -> None:
 def test_cli_card(model: Path, tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path / "corpus")
     sim_test = write_sim(tmp_path / "sim")
-    cli = [sys.executable, "-m", "oomcast.service.cli", "card", "--model", str(model)]
+    cli = [sys.executable, "-m", "oomcast.cli.main", "card", "--model", str(model)]
     missing = subprocess.run(
         [*cli, "--sim-test", str(sim_test), "--corpus", str(tmp_path / "nowhere")],
         capture_output=True,

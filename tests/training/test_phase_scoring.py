@@ -228,7 +228,7 @@ def test_no_phases_gives_the_scores_of_traces_without_the_hooks_fields(
 def test_cli_no_phases_and_announce_share_flags(tmp_path: Path) -> None:
     path = tmp_path / "eval.jsonl"
     write_trace(path, eval_trace(0.5, oom=True))
-    cmd = [sys.executable, "-m", "oomcast.service.cli", "evaluate", "--traces", str(path)]
+    cmd = [sys.executable, "-m", "oomcast.cli.main", "evaluate", "--traces", str(path)]
     cmd += ["--min-lead", "30", "--json", "--no-progress"]
     on = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     off = json.loads(
@@ -236,6 +236,6 @@ def test_cli_no_phases_and_announce_share_flags(tmp_path: Path) -> None:
     )
     assert on["detectors"]["model"]["recall"] == 1.0 and on["phase_traces"] == 1
     assert off["detectors"]["model"]["recall"] == 0.0
-    bad = [sys.executable, "-m", "oomcast.service.cli", "simulate", "--out", str(tmp_path / "s")]
+    bad = [sys.executable, "-m", "oomcast.cli.main", "simulate", "--out", str(tmp_path / "s")]
     done = subprocess.run([*bad, "--announce-share", "2"], capture_output=True, text=True)
     assert done.returncode == 2 and "--announce-share 2: must be between 0 and 1" in done.stderr

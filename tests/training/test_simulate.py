@@ -61,7 +61,7 @@ def test_split_is_a_function_of_the_combination() -> None:
 
 @pytest.mark.slow
 def test_cli_simulate_then_evaluate(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "oomcast.service.cli"]
+    cmd = [sys.executable, "-m", "oomcast.cli.main"]
     done = subprocess.run(
         [
             *cmd,

@@ -2,12 +2,16 @@
 its own and imports what it needs when it runs, so the collector image (no fastapi) and the
 service image (no torch) both run this entry point:
 
-- ``cli_service``: ``serve``, ``demo``, ``bench``
-- ``cli_collect``: ``collect`` (the node agent), ``control-key`` (a node's key)
-- ``cli_training``: ``dump``, ``simulate``, ``evaluate``, ``train``, ``export``, ``card``
-- ``cli_preflight``: ``preflight`` (will a job fit a GPU; imports torch only when it runs)
-- ``cli_check``: ``check`` (settings, rules, model and Redis, before a deploy)
-- ``cli_explain``: ``explain`` (a diagnosis bundle or a PyTorch memory snapshot)
+- ``serve``: ``serve``, ``demo``, ``bench``
+- ``collect``: ``collect`` (the node agent), ``control-key`` (a node's key)
+- ``training``: ``dump``, ``simulate``, ``evaluate``, ``train``, ``export``, ``card``
+- ``preflight``: ``preflight`` (will a job fit a GPU; imports torch only when it runs)
+- ``check``: ``check`` (settings, rules, model and Redis, before a deploy)
+- ``explain``: ``explain`` (a diagnosis bundle or a PyTorch memory snapshot)
+
+No module here imports the service, the training code, preflight or the harnesses at import
+time: each command imports what it runs, so the collector's image (no ``service/``) runs
+``collect`` and ``control-key``.
 
 Flag defaults that come from ``OOMCAST_*`` variables are read once, here, through
 ``service/settings.py`` (``CommandEnv``).
@@ -22,16 +26,14 @@ from collections.abc import Callable, Sequence
 
 from pydantic import ValidationError
 
-from oomcast.service import (
-    cli_check,
-    cli_collect,
-    cli_explain,
-    cli_preflight,
-    cli_service,
-    cli_training,
-)
-from oomcast.service.cli_common import PROG, UsageError, missing_extra, package_version
-from oomcast.service.settings import CommandEnv
+from oomcast.cli import check as cli_check
+from oomcast.cli import collect as cli_collect
+from oomcast.cli import explain as cli_explain
+from oomcast.cli import preflight as cli_preflight
+from oomcast.cli import serve as cli_service
+from oomcast.cli import training as cli_training
+from oomcast.cli.common import PROG, UsageError, missing_extra, package_version
+from oomcast.cli.env import CommandEnv
 
 __all__ = ["UsageError", "build_parser", "main"]
 

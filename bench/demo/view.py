@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 
-from oomcast.service.demo_inbox import WebhookInbox
-from oomcast.service.demo_summary import Oom
+from oomcast.bench.demo.inbox import WebhookInbox
+from oomcast.bench.demo.summary import Oom
 
 GIB = 1 << 30
 

@@ -1,6 +1,6 @@
 """``oomcast preflight``: --entry, script mode with submit(), --json, --plot, bad input.
 
-(The CLI module is service/cli_preflight.py; its tests live here with the rest of
+(The CLI module is cli/preflight.py; its tests live here with the rest of
 preflight's.)"""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from support import oomcast_cmd
 
-from oomcast.service.cli import main
+from oomcast.cli.main import main
 
 HERE = Path(__file__).resolve().parent
 ENTRY = ["--entry", "preflight_jobs:small_mlp"]
@@ -183,7 +183,7 @@ class Block(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return None
 sys.meta_path.insert(0, Block())
-from oomcast.service.cli import main
+from oomcast.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 

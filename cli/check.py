@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oomcast.service.cli_common import UsageError
+from oomcast.cli.common import UsageError
 
 
 @dataclass
@@ -24,7 +24,7 @@ class Verdict:
 def _settings(config: str | None) -> tuple[Any, Verdict]:
     from pydantic import ValidationError
 
-    from oomcast.service.cli_service import settings_problems
+    from oomcast.cli.serve import settings_problems
     from oomcast.service.settings import Settings
 
     where = f"{config} and the environment" if config else "the environment"

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from oomcast.service.cli_common import UsageError
+from oomcast.cli.common import UsageError
 
 
 def cmd_explain(args: argparse.Namespace) -> int:

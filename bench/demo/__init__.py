@@ -38,11 +38,11 @@ import redis
 import uvicorn
 from pydantic import SecretStr
 
+from oomcast.bench.demo.inbox import WebhookInbox
+from oomcast.bench.demo.summary import summarize
+from oomcast.bench.demo.view import watch
 from oomcast.model.control import node_key
 from oomcast.model.wire import DEFAULT_REDIS_URL, redact_url
-from oomcast.service.demo_inbox import WebhookInbox
-from oomcast.service.demo_summary import summarize
-from oomcast.service.demo_view import watch
 from oomcast.service.main import create_app
 from oomcast.service.settings import Settings, child_env
 
@@ -215,7 +215,7 @@ def collectors(
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "oomcast.service.cli", *collector_argv(*node, speed)],
+            [sys.executable, "-m", "oomcast.cli.main", *collector_argv(*node, speed)],
             env=collector_env(url, node[0], master_secret),
             stdout=subprocess.DEVNULL,
             start_new_session=True,  # stopped by the demo with SIGTERM, not by the terminal

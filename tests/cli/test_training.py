@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from oomcast.cli.common import SHIPPED_MODEL
+from oomcast.cli.main import main
 from oomcast.model.network import NetConfig, OOMForecastNet
-from oomcast.service.cli import main
-from oomcast.service.cli_common import SHIPPED_MODEL
 from oomcast.training.train import ScoredRule, save_checkpoint
 
 

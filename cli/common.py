@@ -42,8 +42,18 @@ EXTRAS = {
 }
 
 
+# The parts of oomcast an image may leave out (the collector's carries neither the service
+# nor the harnesses), and the extra of the image, or installation, that has them.
+PARTS = {"oomcast.service": "service", "oomcast.bench": "demo", "oomcast.training": "train",
+         "oomcast.preflight": "train"}  # fmt: skip
+
+
 def missing_extra(module: str) -> str | None:
-    """The extra that installs ``module`` (a dotted name is judged by its top level)."""
+    """The extra that installs ``module`` (a dotted name is judged by its top level; one of
+    oomcast's own parts, by the part)."""
+    for part, extra in PARTS.items():
+        if module == part or module.startswith(part + "."):
+            return extra
     return EXTRAS.get(module.partition(".")[0])
 
 

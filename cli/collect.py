@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from oomcast.cli.common import PROG, UsageError, keys_from_env, stop_on_signals
+from oomcast.cli.env import CommandEnv
 from oomcast.model.wire import redact_url, redis_url_from_env
-from oomcast.service.cli_common import PROG, UsageError, keys_from_env, stop_on_signals
-from oomcast.service.settings import CommandEnv
 
 
 def _default_cgroup_root() -> str:

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from oomcast.cli.common import UsageError, missing_extra
+from oomcast.cli.env import CommandEnv
 from oomcast.model.wire import redact_url, redis_url_from_env
-from oomcast.service.cli_common import UsageError, missing_extra
-from oomcast.service.settings import CommandEnv
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -251,7 +251,7 @@ def _bench_model(path: str | None) -> tuple[Path, str]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from oomcast.service.demo import run_demo
+    from oomcast.bench.demo import run_demo
 
     return run_demo(
         redis_url=args.env.redis_url,

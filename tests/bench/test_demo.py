@@ -17,10 +17,12 @@ import pytest
 import redis
 from support import oomcast_cmd, wait_until
 
+from oomcast.bench import demo
+from oomcast.bench.demo.summary import Oom, summarize
+from oomcast.cli import collect as cli_collect
+from oomcast.cli import main as cli
 from oomcast.collectors.sources.sim import SimSource
 from oomcast.model.schema import Event, Sample
-from oomcast.service import cli, cli_collect, demo
-from oomcast.service.demo_summary import Oom, summarize
 
 
 @pytest.mark.slow
@@ -301,7 +303,7 @@ def test_demo_agents_hold_their_own_node_keys_never_the_master(
 
 
 def test_the_demos_alert_lines_say_the_cause_and_the_first_remedy() -> None:
-    from oomcast.service.demo_view import _alert_line
+    from oomcast.bench.demo.view import _alert_line
 
     alert = {
         "status": "firing",

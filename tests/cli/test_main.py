@@ -13,8 +13,8 @@ from importlib.metadata import version
 import pytest
 from support import oomcast_cmd
 
-from oomcast.service.cli import build_parser
-from oomcast.service.cli_common import EXTRAS
+from oomcast.cli.common import EXTRAS
+from oomcast.cli.main import build_parser
 
 # Run the CLI in a fresh interpreter where the named top-level modules cannot be imported,
 # as on an image installed without their extra.
@@ -27,7 +27,7 @@ class Block(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return None
 sys.meta_path.insert(0, Block())
-from oomcast.service.cli import main
+from oomcast.cli.main import main
 sys.exit(main(sys.argv[2:]))
 """
 

@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from oomcast.model.wire import redact_url, redis_url_from_env
-from oomcast.service.cli_common import (
+from oomcast.cli.common import (
     CORPUS_TRACES,
     HOST_TRACES,
     JOBS_TRACES,
@@ -20,6 +19,7 @@ from oomcast.service.cli_common import (
     UsageError,
     keys_from_env,
 )
+from oomcast.model.wire import redact_url, redis_url_from_env
 
 
 def cmd_dump(args: argparse.Namespace) -> int:

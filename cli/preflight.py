@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from oomcast.service.cli_common import UsageError
+from oomcast.cli.common import UsageError
 
 if TYPE_CHECKING:
     from oomcast.preflight.job import PreflightJob

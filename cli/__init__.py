@@ -1,0 +1,1 @@
+"""The ``oomcast`` command: one entry point, a module per family of subcommands."""

@@ -93,7 +93,7 @@ async def _time_queries(app: Any, queries: dict[str, dict[str, Any]], requests: 
 def bench_api(domains: int = 10_000, requests: int = 50) -> dict[str, Any]:
     """Time ``GET /v1/devices`` over ``domains`` live domains, ``requests`` times per query;
     ``p50_ms``/``p99_ms`` at the top are the default page's, the worst query's beside them."""
-    from oomcast.service.state import tune_gc
+    from oomcast.service.pipeline.state import tune_gc
 
     settings = Settings(redis_url="redis://127.0.0.1:1/0", api_token=None)  # never contacted
     ctx = build_context(settings)

@@ -136,9 +136,9 @@ def _service_path(fc: OnnxForecaster, n: int, seconds: float) -> dict[str, float
     on its own, its samples made beforehand (not timed); the figure is the median round, so
     that another process taking the core for a moment (this machine is shared) does not
     move it, and the mean is given beside it."""
-    from oomcast.service.rulefile import DEFAULT_RULES, load_rules
-    from oomcast.service.rules import AlertPolicy
-    from oomcast.service.state import LiveState, tune_gc
+    from oomcast.service.pipeline.rulefile import DEFAULT_RULES, load_rules
+    from oomcast.service.pipeline.rules import AlertPolicy
+    from oomcast.service.pipeline.state import LiveState, tune_gc
 
     tune_gc()  # as oomcast serve does
     policy = AlertPolicy(fc.rule.horizon_s, fc.rule.fire_risk, fc.rule.fire_risk / 2)

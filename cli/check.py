@@ -36,7 +36,7 @@ def _settings(config: str | None) -> tuple[Any, Verdict]:
 
 
 def _rules(path: str) -> Verdict:
-    from oomcast.service.rulefile import RulesError, check_rules_file
+    from oomcast.service.pipeline.rulefile import RulesError, check_rules_file
 
     try:
         spec = check_rules_file(path)

@@ -32,7 +32,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             OnnxForecaster(settings.model_path)
         except ModelLoadError as exc:
             raise UsageError(f"OOMCAST_MODEL_PATH={settings.model_path}: {exc}") from None
-    from oomcast.service.workers import WORKER_ENV, WorkersError, parse_workers, run_front
+    from oomcast.service.cluster.workers import WORKER_ENV, WorkersError, parse_workers, run_front
 
     try:
         workers = parse_workers(
@@ -47,7 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
         return 0
     from oomcast.service.main import create_app  # not in a front: it forecasts nothing
-    from oomcast.service.state import tune_gc
+    from oomcast.service.pipeline.state import tune_gc
 
     app = create_app(settings)
     tune_gc()
@@ -156,7 +156,7 @@ def _bench_ingest(args: argparse.Namespace) -> int:
         replicas = int(args.replicas or "1")
     except ValueError:
         raise UsageError(f"--replicas {args.replicas!r}: ingest takes one count, e.g. 2") from None
-    from oomcast.service.workers import WorkersError, parse_workers
+    from oomcast.service.cluster.workers import WorkersError, parse_workers
 
     try:
         workers = parse_workers(args.workers or "auto", cap=args.partitions // max(replicas, 1))

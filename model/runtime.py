@@ -173,7 +173,7 @@ class OnnxForecaster:
     ) -> tuple[list[Forecast], np.ndarray, list[float | None]]:
         """``step``, and the batch as arrays beside the forecasts: the risks (rows,
         horizons; columns in ``horizons_s`` order) and each row's time to OOM, for a caller
-        that judges thousands of forecasts at once (``service/state.py``)."""
+        that judges thousands of forecasts at once (``service/pipeline/state.py``)."""
         n = len(states)
         if n == 0:
             return [], np.zeros((0, len(self.horizons_s)), np.float32), []

@@ -1,6 +1,6 @@
 """HMAC-SHA256 signing, the one place oomcast signs or checks bytes: the commands the service
 sends to node agents (``model/control.py``), the sample entries node agents attest
-(``model/wire.py``) and the webhook bodies the service posts (``service/webhook.py``). A
+(``model/wire.py``) and the webhook bodies the service posts (``service/delivery/webhook.py``). A
 signature reads ``sha256=<hex digest>``. :func:`derive_key` makes the per-node keys."""
 
 from __future__ import annotations

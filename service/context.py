@@ -11,16 +11,16 @@ import redis.asyncio as aioredis
 
 from oomcast.model.forecast import Detector
 from oomcast.model.wire import Keys
-from oomcast.service.actions import Dispatcher
-from oomcast.service.alertmanager import AlertmanagerTarget
-from oomcast.service.delivery import DeliveryWorker
+from oomcast.service.delivery.alertmanager import AlertmanagerTarget
+from oomcast.service.delivery.outbox import Outbox
+from oomcast.service.delivery.webhook import WebhookTarget
+from oomcast.service.delivery.worker import DeliveryWorker
 from oomcast.service.ingest import Ingestor
 from oomcast.service.metrics import Metrics
-from oomcast.service.outbox import Outbox
-from oomcast.service.rules import Rule
+from oomcast.service.pipeline.actions import Dispatcher
+from oomcast.service.pipeline.rules import Rule
+from oomcast.service.pipeline.state import LiveState
 from oomcast.service.settings import Settings
-from oomcast.service.state import LiveState
-from oomcast.service.webhook import WebhookTarget
 
 HEALTH_TIMEOUT_S = 1.0
 

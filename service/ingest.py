@@ -4,7 +4,7 @@ batch of entries down one pipeline, top to bottom (``Ingestor.process``):
 1. **decode** the entries (``decode_sample_entries`` / ``decode_event_entries``) into
    samples or events, and dead letters for what cannot be read;
 2. **forecast and evaluate rules**: ``LiveState.apply`` forecasts each round of samples and
-   runs every rule on each forecast (``service/rules.py`` decides), giving ``Alert``s;
+   runs every rule on each forecast (``service/pipeline/rules.py`` decides), giving ``Alert``s;
 3. **dispatch** each alert (``Dispatcher.dispatch``): its audit record and node commands;
    webhook and Alertmanager deliveries of the finished record, to owe (never waited on);
 4. **commit** the audit records, the deliveries they owe (into the outbox) and dead
@@ -16,7 +16,7 @@ snapshots and all its pending entries are claimed (``XAUTOCLAIM``); entries anot
 consumer left pending for ``claim_idle_ms`` are claimed too. Records and commands not
 written (Redis failed) are kept (``Commit``) for the next batch.
 
-A replica reads the partitions it holds a lease on (``service/ownership.py``; or the fixed
+A replica reads the partitions it holds a lease on (``service/cluster/ownership.py``; or the fixed
 set ``OOMCAST_PARTITIONS_OWNED`` names), so each domain's state lives on exactly one
 replica, and a dead replica's partitions are taken over, with their snapshots, within the
 lease's takeover time. Before it acts on a batch the loop checks that the batch's partition
@@ -44,9 +44,14 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from oomcast.model.wire import Keys
-from oomcast.service.actions import Dispatched
-from oomcast.service.batch import Commit, Evaluated
-from oomcast.service.decode import (
+from oomcast.service.cluster.leases import PartitionOwner, StaticPartitions
+from oomcast.service.cluster.ownership import Ownership, Snapshots
+from oomcast.service.cluster.snapshot import SnapshotStore
+from oomcast.service.delivery.outbox import Outbox
+from oomcast.service.metrics import Metrics, observe_many
+from oomcast.service.pipeline.actions import Dispatched
+from oomcast.service.pipeline.commit import Commit, Evaluated
+from oomcast.service.pipeline.decode import (
     AUDITED_EVENTS,
     Decoded,
     KeyForNode,
@@ -57,14 +62,9 @@ from oomcast.service.decode import (
     decode_event_entries,
     decode_sample_entries,
 )
-from oomcast.service.leases import PartitionOwner, StaticPartitions
-from oomcast.service.metrics import Metrics, observe_many
-from oomcast.service.outbox import Outbox
-from oomcast.service.ownership import Ownership, Snapshots
-from oomcast.service.rules import Alert
-from oomcast.service.snapshot import SnapshotStore
-from oomcast.service.state import LiveState
-from oomcast.service.streams_read import read_new
+from oomcast.service.pipeline.read import read_new
+from oomcast.service.pipeline.rules import Alert
+from oomcast.service.pipeline.state import LiveState
 
 log = logging.getLogger(__name__)
 

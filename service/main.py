@@ -17,9 +17,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from oomcast.model.control import node_keys
 from oomcast.model.wire import Keys
-from oomcast.service import forecaster
-from oomcast.service.actions import Dispatcher
-from oomcast.service.alertmanager import AlertmanagerTarget
+from oomcast.service.api.edge import EdgeMiddleware
 from oomcast.service.api.routes import (
     admit,
     alerts,
@@ -31,18 +29,20 @@ from oomcast.service.api.routes import (
     rules,
     samples,
 )
+from oomcast.service.cluster.leases import partition_owner
+from oomcast.service.cluster.snapshot import SnapshotStore
 from oomcast.service.context import Deliveries, ServiceContext
-from oomcast.service.delivery import DeliveryWorker, Target
-from oomcast.service.edge import EdgeMiddleware
+from oomcast.service.delivery.alertmanager import AlertmanagerTarget
+from oomcast.service.delivery.outbox import Outbox
+from oomcast.service.delivery.webhook import WebhookTarget
+from oomcast.service.delivery.worker import DeliveryWorker, Target
 from oomcast.service.ingest import Ingestor
-from oomcast.service.leases import partition_owner
 from oomcast.service.metrics import Metrics
-from oomcast.service.outbox import Outbox
-from oomcast.service.rulefile import load_rules
+from oomcast.service.pipeline import forecaster
+from oomcast.service.pipeline.actions import Dispatcher
+from oomcast.service.pipeline.rulefile import load_rules
+from oomcast.service.pipeline.state import LiveState
 from oomcast.service.settings import Settings
-from oomcast.service.snapshot import SnapshotStore
-from oomcast.service.state import LiveState
-from oomcast.service.webhook import WebhookTarget
 
 log = logging.getLogger("oomcast.service")
 
@@ -121,7 +121,7 @@ def build_context(settings: Settings) -> ServiceContext:
         attest_window_s=settings.attest_window_s,
     )
     # With leases, no round trip may outlast the slack between a lease's local deadline
-    # and its expiry in Redis plus the commit margin (service/ownership.py): 0.4 x the TTL.
+    # and its expiry in Redis plus the commit margin (service/cluster/ownership.py): 0.4 x the TTL.
     timeout_s = max(2.0, 0.4 * settings.lease_ttl_s) if settings.uses_leases() else 10.0
     client = redis_client(settings, timeout_s)
     deliveries = build_deliveries(settings, keys, client, metrics)

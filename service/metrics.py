@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from oomcast.service.outbox import Health
+from oomcast.service.delivery.outbox import Health
 
 
 class Metrics:
@@ -49,7 +49,7 @@ class Metrics:
         )
         self.events = Counter("oomcast_events_total", "Events read", ["event"], registry=r)
         self.alerts = Counter("oomcast_alerts_total", "Alerts raised", ["status"], registry=r)
-        # Deliveries to receivers (service/delivery.py). result: delivered, retry (an attempt
+        # Deliveries to receivers (service/delivery/worker.py). result: delivered, retry (an attempt
         # failed and will be retried), refused, expired; for Alertmanager re-sends, resent
         # and resend_expired.
         self.deliveries = Counter(

@@ -61,13 +61,13 @@ class Settings(BaseSettings):
     partitions: int = Field(default=DEFAULT_PARTITIONS, ge=1, le=1024)
     # Which partitions this replica reads, e.g. "0-1" or "0,2", fixed (a StatefulSet that
     # pins them: no leases). Empty: replicas share the partitions by leases in Redis
-    # (service/leases.py), a fair share each, taken over when a replica dies.
+    # (service/cluster/leases.py), a fair share each, taken over when a replica dies.
     partitions_owned: str = ""
     # A lease lives this long unrenewed (renewed every third of it): a dead replica's
     # partitions are taken over within lease_ttl_s plus one renewal (~13 s by default).
     lease_ttl_s: float = Field(default=10.0, ge=1.0, le=300.0)
-    # Worker processes of one `oomcast serve` (service/workers.py): one per core to use.
-    # "auto": one per core this process may use (service/workers.py, available_cpus).
+    # Worker processes of one `oomcast serve` (service/cluster/workers.py): one per core to use.
+    # "auto": one per core this process may use (service/cluster/workers.py, available_cpus).
     workers: str = "1"
     # A domain's state is snapshotted to Redis with every batch that alerts on it, and at
     # least this often otherwise: how far a new owner's forecaster state may lag.
@@ -99,7 +99,7 @@ class Settings(BaseSettings):
 
     webhook_url: str | None = None
     webhook_secret: SecretStr | None = None
-    # Webhook and Alertmanager deliveries (the durable outbox, service/outbox.py): retried
+    # Webhook and Alertmanager deliveries (the durable outbox, service/delivery/outbox.py): retried
     # with capped exponential backoff, across restarts, until delivery_max_age_s.
     delivery_timeout_s: float = Field(default=5.0, gt=0, description="one attempt's timeout")
     delivery_backoff_s: float = Field(default=0.5, gt=0, description="first retry's delay")
@@ -119,7 +119,7 @@ class Settings(BaseSettings):
     alertmanager_url: str | None = None  # e.g. http://alertmanager:9093
     alertmanager_resend_s: float = Field(default=60.0, gt=0)
 
-    # Rules (service/default_rules.yaml when unset) and the key that signs node commands.
+    # Rules (service/pipeline/default_rules.yaml when unset) and the key that signs node commands.
     rules: str | None = None
     control_secret: SecretStr | None = None
     control_ttl_s: float = Field(default=30.0, gt=0, le=600)
@@ -179,7 +179,7 @@ class Settings(BaseSettings):
         return v.rstrip("/")
 
     def rules_path(self) -> str:
-        from oomcast.service.rulefile import DEFAULT_RULES
+        from oomcast.service.pipeline.rulefile import DEFAULT_RULES
 
         return self.rules or str(DEFAULT_RULES)
 
@@ -229,7 +229,7 @@ class Settings(BaseSettings):
                 " not tell our alerts from forged ones; set a secret"
             )
         self.owned_partitions()  # refuses a bad OOMCAST_PARTITIONS_OWNED at start-up
-        from oomcast.service.rulefile import check_rules_file
+        from oomcast.service.pipeline.rulefile import check_rules_file
 
         check_rules_file(self.rules_path())  # refuses a bad rule at start-up, naming it
         if self.alert_resolve_risk >= self.alert_fire_risk:

@@ -184,7 +184,7 @@ class Score:
 
 
 class PhaseTrack:
-    """The service's phase side of one domain (service/phases.py), replayed over a trace:
+    """The service's phase side of one domain (service/pipeline/phases.py), replayed over a trace:
     the domain's ``schedule`` events are taken in as the samples' time reaches them (a
     schedule of another job replaces the state; a sample of another job drops it), and each
     forecast is merged with :meth:`PhaseState.forecast`'s as the live state merges it."""

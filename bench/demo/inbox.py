@@ -7,7 +7,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from oomcast.service.webhook import SIGNATURE_HEADER, verify_signature
+from oomcast.service.delivery.webhook import SIGNATURE_HEADER, verify_signature
 
 
 class WebhookInbox:

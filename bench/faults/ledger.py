@@ -36,7 +36,7 @@ from typing import Any, cast
 import redis
 
 from oomcast.model.wire import DecodedSample, Keys, decode_samples
-from oomcast.service.outbox import delivery_id
+from oomcast.service.delivery.outbox import delivery_id
 
 SampleId = tuple[str, str, float]  # node, device, ts
 GROUP = "oomcast-service"  # the consumer group every replica of the bench reads in

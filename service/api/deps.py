@@ -10,8 +10,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 
 from oomcast.model.schema import SchemaError
+from oomcast.service.api.edge import UNAUTHORIZED, bearer_matches
 from oomcast.service.context import ServiceContext
-from oomcast.service.edge import UNAUTHORIZED, bearer_matches
 
 # Seconds a client is asked to wait (Retry-After) when Redis cannot take writes right now.
 RETRY_AFTER_S = 5

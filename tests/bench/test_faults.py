@@ -12,7 +12,7 @@ from support import oomcast_cmd
 
 from oomcast.bench.faults import SCENARIOS, parse_only
 from oomcast.bench.faults.ledger import Copies, Producer, alert_figures, sample_figures
-from oomcast.service.outbox import delivery_id
+from oomcast.service.delivery.outbox import delivery_id
 
 A = ("n1", "gpu0", 1.0)
 B = ("n1", "gpu0", 2.0)

@@ -370,7 +370,7 @@ COLLECT_FLAGS: dict[str, Callable[[str], None]] = {
     "--redis-url": _redis_url,
 }
 def _workers(v: str) -> None:
-    from oomcast.service.workers import parse_workers
+    from oomcast.service.cluster.workers import parse_workers
 
     parse_workers(v, cap=4)  # WorkersError (a ValueError) for anything but a count or auto
 

@@ -44,7 +44,7 @@ from support import free_port, wait_until
 
 from oomcast.cli.env import CommandEnv
 from oomcast.cli.main import build_parser
-from oomcast.service.rulefile import check_rules_file
+from oomcast.service.pipeline.rulefile import check_rules_file
 from oomcast.service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The alert engine (service/rules.py) on the rule a policy makes (``policy_rule``): one
+"""The alert engine (service/pipeline/rules.py) on the rule a policy makes (``policy_rule``): one
 firing per episode, hysteresis, and the payload every alert carries (DESIGN.md)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from support import sample
 
 from oomcast.model.forecast import HORIZONS_S, AlertRule, Forecast
-from oomcast.service.rules import AlertPolicy, Episode, evaluate, policy_rule
+from oomcast.service.pipeline.rules import AlertPolicy, Episode, evaluate, policy_rule
 
 
 def fc(risk60: float, ts: float = 1.0) -> Forecast:

@@ -23,8 +23,8 @@ from support import GIB, T0, free_port, start_serve, wait_until
 from oomcast.model.baselines import ThresholdBaseline
 from oomcast.model.wire import Keys, encode_samples
 from oomcast.service.main import create_app
+from oomcast.service.pipeline.state import LiveState
 from oomcast.service.settings import Settings
-from oomcast.service.state import LiveState
 
 GROUP = "oomcast-service"
 
@@ -289,10 +289,10 @@ def test_a_lease_that_lapsed_here_but_was_still_ours_is_taken_afresh(
 ) -> None:
     """The leases report such a partition as lost and acquired in one change (lost first):
     the loop must restore and claim it again, not drop it from what it is to take."""
-    from oomcast.service.actions import Dispatcher
+    from oomcast.service.cluster.leases import PartitionLeases
     from oomcast.service.ingest import Ingestor
-    from oomcast.service.leases import PartitionLeases
     from oomcast.service.metrics import Metrics
+    from oomcast.service.pipeline.actions import Dispatcher
 
     keys = Keys(key_prefix, 2)
     now = [100.0]

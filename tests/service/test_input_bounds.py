@@ -14,10 +14,10 @@ from oomcast.model.baselines import ThresholdBaseline
 from oomcast.model.control import node_key, node_keys
 from oomcast.model.schema import MAX_NAME_CHARS
 from oomcast.model.wire import Keys, encode_samples, sample_payload
-from oomcast.service.actions import Dispatcher
-from oomcast.service.decode import decode_sample_entries
-from oomcast.service.rules import Rule
-from oomcast.service.state import LiveState
+from oomcast.service.pipeline.actions import Dispatcher
+from oomcast.service.pipeline.decode import decode_sample_entries
+from oomcast.service.pipeline.rules import Rule
+from oomcast.service.pipeline.state import LiveState
 
 NOW = 1_800_000_000.0
 NOW_MS = int(NOW * 1000) + 500  # the service reads half a second after the entries arrive
@@ -203,7 +203,7 @@ def test_a_sample_in_another_partitions_stream_is_dead_lettered() -> None:
 
 
 def test_an_oversized_entry_is_dead_lettered_unparsed_and_kept_truncated() -> None:
-    from oomcast.service.decode import MAX_ENTRY_BYTES, MAX_KEPT_BYTES
+    from oomcast.service.pipeline.decode import MAX_ENTRY_BYTES, MAX_KEPT_BYTES
 
     fields = {"v": "1", "node": "n1", "n": "1", "samples": "[" + " " * MAX_ENTRY_BYTES + "]"}
     out = decode_sample_entries(STREAM, [(f"{int(NOW * 1000)}-0", fields)], None, now_ms=NOW_MS)
@@ -216,7 +216,7 @@ def test_an_oversized_entry_is_dead_lettered_unparsed_and_kept_truncated() -> No
 def test_an_event_far_from_its_arrival_is_dead_lettered() -> None:
     from oomcast.model.schema import Event
     from oomcast.model.wire import encode_event
-    from oomcast.service.decode import decode_event_entries
+    from oomcast.service.pipeline.decode import decode_event_entries
 
     keys = Keys("t", 1)
     forged = encode_event(Event(ts=1e300, node="n1", device="gpu0", event="oom"))

@@ -7,7 +7,7 @@ schedule (an eval every 160 steps, 0.25 s a step) and the eval's extra bytes as 
 of the job's own code on fake tensors gives them (``set_phase_extra_bytes``).
 
 Every other part is the real one too: the real Redis, `oomcast serve` with the shipped
-model and its default rules (service/default_rules.yaml: the ``oom-forecast`` rule asks for
+model and its default rules (service/pipeline/default_rules.yaml: the ``oom-forecast`` rule asks for
 a checkpoint), `oomcast collect` as the node agent with the control secret, relaying the
 service's signed command to the job's control stream, and a real webhook receiver.
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from oomcast.model.schema import MAX_NAME_CHARS
-from oomcast.service.admission import CONTEXT_BYTES, admit
+from oomcast.service.api.admission import CONTEXT_BYTES, admit
 from oomcast.service.api.deps import Authorized, Ctx
 from oomcast.service.api.responses import WITH_BODY, responses
 

@@ -44,7 +44,7 @@ CSP = (
 
 def _load_static() -> dict[str, bytes]:
     """Every shipped asset by file name (the folder is flat)."""
-    folder = resources.files("oomcast.service").joinpath("static")
+    folder = resources.files("oomcast.service.api").joinpath("static")
     out: dict[str, bytes] = {}
     for entry in folder.iterdir():
         name = entry.name

@@ -10,8 +10,7 @@ from pydantic import BaseModel, Field
 
 from oomcast.model.schema import MAX_NAME_CHARS
 from oomcast.service.api.deps import Authorized, Ctx, unprocessable
-from oomcast.service.api.responses import V1, Responses, responses
-from oomcast.service.device_query import (
+from oomcast.service.api.device_query import (
     CURSOR_PATTERN,
     CURSORS_HEADER,
     BadCursor,
@@ -20,6 +19,7 @@ from oomcast.service.device_query import (
     encode_cursor,
     sort_key,
 )
+from oomcast.service.api.responses import V1, Responses, responses
 
 router = APIRouter(tags=["devices"], dependencies=[Authorized])
 # These handlers are async on purpose: they then run on the event loop, between ingest

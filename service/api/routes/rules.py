@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from oomcast.service.api.deps import Authorized, Ctx
 from oomcast.service.api.responses import V1, responses
-from oomcast.service.rules import describe_rules
+from oomcast.service.pipeline.rules import describe_rules
 
 router = APIRouter(tags=["rules"], dependencies=[Authorized])
 

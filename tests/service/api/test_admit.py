@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from support import GIB, T0, wait_until
 
-from oomcast.service.admission import CONTEXT_BYTES
+from oomcast.service.api.admission import CONTEXT_BYTES
 from oomcast.service.main import create_app
 from oomcast.service.settings import Settings
 

@@ -1,0 +1,1 @@
+"""Many replicas as one: partition leases, ownership, domain snapshots, worker processes."""

@@ -1,0 +1,1 @@
+"""Delivery of what the pipeline decided: the Redis outbox, webhooks, Alertmanager."""

@@ -1,0 +1,76 @@
+"""Which forecaster the service runs: the trained model, or a baseline, said loudly.
+
+``OOMCAST_FORECASTER=model`` (the default) loads the ONNX model (``OOMCAST_MODEL_PATH``,
+else the one shipped in the package). A model the operator named that cannot be loaded
+stops the service at start-up: a typo in the path must not quietly start a baseline. If the
+shipped model cannot be loaded (onnxruntime missing), the service still starts, forecasting
+with a baseline, and says so in its log, ``/readyz`` and ``/metrics``: a forecaster that is
+worse than expected must never be mistaken for the real one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from oomcast.model.baselines import baseline_by_name
+from oomcast.model.forecast import Detector
+from oomcast.service.pipeline.rules import AlertPolicy
+from oomcast.service.settings import Settings
+
+log = logging.getLogger("oomcast.service")
+FALLBACK = "predict_linear_w60s_h60s_gate0.80_full"
+
+
+@dataclass
+class Choice:
+    detector: Detector
+    kind: str  # "model", "baseline" (asked for) or "fallback" (model unavailable)
+    reason: str
+    provider: str
+
+
+def choose(settings: Settings) -> Choice:
+    if settings.forecaster != "model":
+        det = baseline_by_name(settings.forecaster)
+        log.warning("forecasting with the BASELINE %s, as configured", det.forecaster.version)
+        return Choice(det, "baseline", "OOMCAST_FORECASTER names a baseline", "python")
+    try:
+        from oomcast.model.runtime import DEFAULT_MODEL, ModelLoadError, OnnxForecaster
+    except ImportError as exc:  # numpy present, onnxruntime not: ModelLoadError covers it
+        return _fallback(f"cannot import the runtime: {exc}")
+    path = settings.model_path or str(DEFAULT_MODEL)
+    try:
+        fc = OnnxForecaster(path)
+    except ModelLoadError as exc:
+        if settings.model_path:  # the operator named a model: a typo must not start a baseline
+            raise ModelLoadError(f"OOMCAST_MODEL_PATH={settings.model_path}: {exc}") from None
+        return _fallback(str(exc))
+    log.info("forecasting with model %s from %s on %s", fc.version, path, fc.provider)
+    return Choice(Detector("model", fc, fc.rule), "model", f"loaded {path}", fc.provider)
+
+
+def _fallback(reason: str) -> Choice:
+    det = baseline_by_name(FALLBACK)
+    log.error(
+        "MODEL NOT LOADED (%s): forecasting with the BASELINE %s instead; alerts will come"
+        " later and more often wrong than the model's",
+        reason,
+        det.forecaster.version,
+    )
+    return Choice(det, "fallback", reason, "python")
+
+
+def alert_policy(settings: Settings, choice: Choice) -> AlertPolicy:
+    """The rule from the settings; for the model, its own validated rule unless the
+    operator set one (OOMCAST_ALERT_HORIZON_S / OOMCAST_ALERT_FIRE_RISK)."""
+    chosen = settings.model_fields_set
+    horizon, fire = settings.alert_horizon_s, settings.alert_fire_risk
+    fire_after, resolve = settings.alert_fire_after, settings.alert_resolve_risk
+    if choice.kind == "model" and not {"alert_horizon_s", "alert_fire_risk"} & chosen:
+        horizon, fire = choice.detector.rule.horizon_s, choice.detector.rule.fire_risk
+        if "alert_fire_after" not in chosen:
+            fire_after = choice.detector.rule.fire_after  # as validated
+        if "alert_resolve_risk" not in chosen:
+            resolve = round(fire / 2, 4)
+    return AlertPolicy(horizon, fire, resolve, fire_after, settings.alert_resolve_after)

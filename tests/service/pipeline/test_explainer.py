@@ -1,0 +1,81 @@
+"""Alerts carry their cause and remedies. The demo's GPUs, through the shipped model and the
+default rules: the one whose allocator fragments is diagnosed as fragmentation with the
+expandable-segments remedy when its alert fires; the steady leak as a leak."""
+
+from __future__ import annotations
+
+import pytest
+
+from oomcast.collectors.sources.sim import simulate_trace
+from oomcast.model.causes import EXPANDABLE
+from oomcast.model.runtime import OnnxForecaster
+from oomcast.model.schema import Sample
+from oomcast.service.pipeline.rulefile import DEFAULT_RULES, load_rules
+from oomcast.service.pipeline.rules import Alert, AlertPolicy
+from oomcast.service.pipeline.state import LiveState
+
+
+def first_alert(pattern: str, seed: int) -> tuple[Alert, LiveState]:
+    fc = OnnxForecaster()
+    rule = fc.rule
+    policy = AlertPolicy(
+        rule.horizon_s, rule.fire_risk, round(rule.fire_risk / 2, 4), rule.fire_after, 3
+    )
+    live = LiveState(fc, load_rules(DEFAULT_RULES, policy), horizon_s=policy.horizon_s)
+    for r in simulate_trace(pattern, seed=seed, duration_s=600, interval_s=0.5):
+        if isinstance(r, Sample):
+            alerts = live.apply([Sample(**{**r.to_dict(), "job": "demo-job"})], r.ts).alerts
+            if alerts:
+                return alerts[0], live
+    raise AssertionError(f"{pattern} seed {seed}: no alert")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_fragmenting_demo_gpu_is_diagnosed_as_fragmentation(seed: int) -> None:
+    alert, live = first_alert("fragmenting", seed)
+    assert alert.status == "firing" and alert.cause == "fragmentation"
+    assert "cached but not in use" in (alert.evidence or "")
+    assert EXPANDABLE in alert.remedies[0]
+    payload = alert.to_payload()
+    assert payload["cause"] == "fragmentation" and payload["remedies"] == list(alert.remedies)
+    [st] = live.domains.values()
+    assert st.summary(60)["cause"] == "fragmentation"  # /v1/devices says the same
+
+
+def test_the_leaking_demo_gpu_is_a_leak() -> None:
+    alert, _ = first_alert("fast_leak", 1)
+    assert alert.cause == "leak" and not any(EXPANDABLE in r for r in alert.remedies)
+
+
+def test_a_neighbour_growing_on_the_gpu_is_named() -> None:
+    """Per-process use (NVML) in the samples: another job's process arrives and grows until
+    the GPU is nearly full; the alert names the neighbour, not a leak of this job."""
+    from oomcast.model.baselines import ThresholdBaseline
+    from oomcast.model.processes import ProcessUse
+    from oomcast.service.pipeline.rules import Rule
+
+    gib = 1 << 30
+    rule = Rule("r", ("webhook",), fire_after=1, resolve_after=1, horizon_s=60, fire_risk=0.5)
+    live = LiveState(ThresholdBaseline(0.9), [rule], horizon_s=60)
+    alerts = []
+    for i in range(40):
+        theirs = min(i, 35) * gib
+        procs = (ProcessUse(11, 40 * gib, "mine"),) + (
+            (ProcessUse(22, theirs, "other"),) if i else ()
+        )
+        s = Sample(
+            1000.0 + i,
+            "n",
+            "gpu0",
+            "gpu",
+            80 * gib,
+            40 * gib + theirs + gib,
+            job="mine",
+            processes=procs,
+        )
+        alerts += live.apply([s], 1000.0 + i).alerts
+    [alert] = alerts
+    assert alert.cause == "neighbour" and "other processes on the GPU grew" in (
+        alert.evidence or ""
+    )
+    assert any("set_per_process_memory_fraction" in r for r in alert.remedies)

@@ -73,7 +73,7 @@ def test_the_wheel_holds_every_module_and_no_test(wheel: Path) -> None:
     assert not missing, f"modules left out of the wheel: {missing}"
     assert not [n for n in names if n.startswith(("tests/", "oomcast/tests/"))]
     assert "oomcast/model/oomcast-lstm.onnx" in names  # the shipped model travels
-    assert "oomcast/service/default_rules.yaml" in names
+    assert "oomcast/service/pipeline/default_rules.yaml" in names
 
 
 @dataclass

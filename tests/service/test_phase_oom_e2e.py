@@ -39,7 +39,7 @@ LIMIT = 640 * MIB  # the training runs at about 360 MB resident; the eval needs 
 EVAL_EVERY = 160
 STEP_S = 0.25  # the first eval comes 40 s after the first step
 LEAD_S = 30.0
-DEFAULT_RULES = Path(__file__).parents[2] / "service" / "default_rules.yaml"
+DEFAULT_RULES = Path(__file__).parents[2] / "service" / "pipeline" / "default_rules.yaml"
 TRAINER = [sys.executable, "-m", "oomcast.bench.trainers.eval_spike"]
 
 

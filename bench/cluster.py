@@ -39,7 +39,7 @@ import redis
 from oomcast.bench.ingest import DRAIN_HZ
 from oomcast.bench.load import GPUS_PER_NODE, Fleet, cpu_seconds, group_progress, rss_mb
 from oomcast.bench.local_cluster import LocalCluster, LocalClusterError
-from oomcast.bench.procs import FaultBenchError, Procs, Service, start_service, wait_for
+from oomcast.bench.procs import FaultBenchError, Procs, Service, start_service, wait_until
 from oomcast.collectors.streams import stream_fields
 from oomcast.model.wire import Keys
 
@@ -180,7 +180,7 @@ def drain_with(
         for i in range(n):
             env = {**run.env, "OOMCAST_CONSUMER_NAME": f"replica-{i}"}
             run.replicas.append(start_service(run.procs, f"replica-{i}", env))
-        if not wait_for(lambda: split(run), SETTLE_S):
+        if not wait_until(lambda: split(run), SETTLE_S):
             raise ClusterBenchError(
                 f"{n} replicas did not split the partitions in {SETTLE_S:.0f} s"
             )

@@ -53,7 +53,7 @@ from oomcast.bench.procs import (
     RedisServer,
     Service,
     start_service,
-    wait_for,
+    wait_until,
 )
 from oomcast.collectors.streams import stream_fields
 from oomcast.model.wire import Keys
@@ -73,21 +73,10 @@ class IngestBenchError(FaultBenchError):
     that never finished); the message says what."""
 
 
-class BenchRedis(RedisServer):
-    """The private Redis of this bench: in memory only (no append-only file), so that what
-    is timed is the service, not this machine's disk."""
-
-    def argv(self) -> list[str]:
-        return [
-            self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--maxmemory-policy", "noeviction", "--dir", str(self.dir),
-        ]  # fmt: skip
-
-
 @dataclass
 class Run:
     procs: Procs
-    server: BenchRedis
+    server: RedisServer
     client: redis.Redis
     keys: Keys
     env: dict[str, str]
@@ -154,7 +143,7 @@ def bench_run(domains: int, partitions: int, replicas: int = 1, workers: int = 1
     logs = Path(tempfile.mkdtemp(prefix="oomcast-bench-ingest-"))
     procs = Procs(logs)
     try:
-        server = BenchRedis(procs, logs)
+        server = RedisServer(procs, logs, persist=False)  # what is timed is oomcast, not the disk
         server.start()
         secret = secrets.token_hex(16)
         keys = Keys(f"bench-{secrets.token_hex(4)}", partitions)
@@ -367,7 +356,7 @@ def rated(run: Run, rate: float, seconds: float, soak: bool, timeout_s: float) -
     todo = plan(run, rate, seconds)  # before the services start and the clock does
     run.start_services()
     streams = run.keys.all_samples()
-    if not wait_for(lambda: all(run.has_group(s) for s in streams), 30):
+    if not wait_until(lambda: all(run.has_group(s) for s in streams), 30):
         raise IngestBenchError("the service did not create its consumer groups in 30 s")
     before = run.latency()
     rss_start, cpu0, t0 = run.rss(), run.cpu_s(), time.monotonic()
@@ -379,7 +368,7 @@ def rated(run: Run, rate: float, seconds: float, soak: bool, timeout_s: float) -
 
     written, entries, took = produce(run, todo, record)
     backlog = group_progress(run.client, streams, run.group)[2]
-    if not wait_for(run.drained, timeout_s):
+    if not wait_until(run.drained, timeout_s):
         raise IngestBenchError(f"the service had not caught up {timeout_s:.0f} s after the run")
     wall = time.monotonic() - t0
     cpu = run.cpu_s() - cpu0

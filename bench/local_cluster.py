@@ -10,7 +10,6 @@ client connecting then sees the whole cluster; ``stop()`` ends every node it sta
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -21,25 +20,13 @@ from typing import IO, Any
 
 import redis
 
+from oomcast.bench.procs import free_ports
+
 HOST = "127.0.0.1"
 
 
 class LocalClusterError(RuntimeError):
     """The cluster cannot be started here; the message says what is missing or failed."""
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free now (held open together, so none is handed out twice)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((HOST, 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def binaries() -> tuple[str, str]:
@@ -94,7 +81,7 @@ class LocalCluster:
         return self
 
     def _start(self, server: str, cli: str, timeout_s: float) -> None:
-        ports = _free_ports(2 * self.masters)
+        ports = free_ports(2 * self.masters)
         self.ports, buses = ports[: self.masters], ports[self.masters :]
         for port, bus in zip(self.ports, buses, strict=True):
             where = self.dir / str(port)

@@ -1,7 +1,8 @@
-"""The real processes a fault scenario runs: a private ``redis-server`` (with an append-only
-file, so that killing it is a crash it recovers from, as a production Redis would), ``oomcast
-serve`` replicas and ``oomcast collect`` agents, each in a process group of its own so that
-a kill reaches everything it started, and every one of them torn down on the way out.
+"""The real processes the benches, the demo and the tests start: a private ``redis-server``
+(``RedisServer``, the one place one is started), ``oomcast serve`` replicas and ``oomcast
+collect`` agents, each in a process group of its own so that a kill reaches everything it
+started, and every one of them torn down on the way out; and the two helpers everything
+that waits on a process uses (``free_port``, ``wait_until``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import IO, Any
 import httpx
 import redis
 
-POLL_S = 0.1
+POLL_S = 0.05
 
 
 class FaultBenchError(RuntimeError):
@@ -32,13 +33,29 @@ class FaultBenchError(RuntimeError):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    return free_ports(1)[0]
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float = POLL_S) -> bool:
-    """Poll ``predicate`` until it is true (True) or ``timeout_s`` passes (False)."""
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free now (held open together, so none is handed out twice)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def wait_until(
+    predicate: Callable[[], bool], timeout_s: float = 20.0, interval_s: float = POLL_S
+) -> bool:
+    """Poll ``predicate`` until it is true (True) or ``timeout_s`` passes (False): the one
+    wait the benches, the demo and the tests use (no test sleeps for a fixed time)."""
     deadline = time.monotonic() + timeout_s
     while True:
         if predicate():
@@ -108,43 +125,44 @@ def read_status(pid: int) -> dict[str, int]:
 
 
 class RedisServer:
-    """A private ``redis-server`` on a free port, with an append-only file (``appendfsync
-    everysec``: what it has answered is written out before the answer, so a crash of the
-    process loses nothing it took). ``kill()`` is a SIGKILL; ``start()`` again reloads it."""
+    """A private ``redis-server`` on a free port: the one way the tests, the benches and the
+    demo start one. ``persist=True`` gives it an append-only file (``appendfsync everysec``:
+    what it has answered is written out before the answer, so a SIGKILL of the process, as
+    ``kill()`` sends, loses nothing it took, as with a production Redis; ``start()`` again
+    reloads it); without, it keeps everything in memory, so that what a bench times is
+    oomcast, not this machine's disk. Started through ``procs`` (logged, and killed with
+    everything else the bench started) or on its own, in a session of its own (Ctrl-C is
+    for the caller, which stops this server last)."""
 
-    def __init__(self, procs: Procs, data_dir: Path) -> None:
+    def __init__(
+        self, procs: Procs | None, data_dir: Path, persist: bool = True, port: int | None = None
+    ) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             raise FaultBenchError(
-                "redis-server is not on PATH: the fault bench runs a private one"
+                "redis-server is not on PATH: a private one is started from it"
                 " (Debian/Ubuntu: apt-get install redis-server)"
             )
         self.exe = exe
         self.procs = procs
         self.dir = data_dir
-        self.port = free_port()
+        self.persist = persist
+        self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.config = "appendonly yes, appendfsync everysec, no RDB snapshots, noeviction"
+        self.config = (
+            "appendonly yes, appendfsync everysec, no RDB snapshots, noeviction"
+            if persist
+            else "in memory only (no append-only file, no RDB snapshots), noeviction"
+        )
 
     def argv(self) -> list[str]:
+        durable = ["--appendonly", "yes", "--appendfsync", "everysec"]
         return [
-            self.exe,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "everysec",
-            "--maxmemory-policy",
-            "noeviction",
-            "--dir",
-            str(self.dir),
-        ]
+            self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            *(durable if self.persist else ["--appendonly", "no"]),
+            "--maxmemory-policy", "noeviction", "--dir", str(self.dir),
+        ]  # fmt: skip
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, socket_connect_timeout=1, socket_timeout=10)
@@ -155,15 +173,46 @@ class RedisServer:
         except (redis.RedisError, OSError):
             return False  # down, or still loading its append-only file
 
-    def start(self) -> None:
-        self.proc = self.procs.spawn(self.argv(), os.environ, "redis.log")
-        if not wait_for(self.answers, 20):
-            raise FaultBenchError(f"{self.exe} did not answer on port {self.port} (redis.log)")
+    def start(self, timeout_s: float = 20.0) -> RedisServer:
+        if self.procs is not None:
+            self.proc = self.procs.spawn(self.argv(), os.environ, "redis.log")
+        else:
+            self.proc = subprocess.Popen(
+                self.argv(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        proc = self.proc
+        if not wait_until(lambda: self.answers() or proc.poll() is not None, timeout_s) or (
+            proc.poll() is not None
+        ):
+            self.kill()
+            raise FaultBenchError(f"{self.exe} did not answer on port {self.port}")
+        return self
 
     def kill(self) -> None:
+        """SIGKILL: a crash."""
         if self.proc is not None:
             Procs.kill(self.proc)
             self.proc = None
+
+    def stop(self) -> None:
+        """SIGTERM, as an operator stops it (a SIGKILL if it does not end in 10 s)."""
+        if self.proc is not None:
+            Procs.kill(self.proc, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                Procs.kill(self.proc)
+            self.proc = None
+
+    def __enter__(self) -> RedisServer:
+        return self if self.proc is not None else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 @dataclass
@@ -226,7 +275,7 @@ def start_service(
         f"serve-{name}.log",
     )
     svc = Service(name, proc, f"http://127.0.0.1:{port}", dict(env))
-    if not wait_for(lambda: svc.ready() or not svc.alive(), 60) or not svc.alive():
+    if not wait_until(lambda: svc.ready() or not svc.alive(), 60) or not svc.alive():
         raise FaultBenchError(f"oomcast serve ({name}) did not become ready (serve-{name}.log)")
     return svc
 
@@ -287,6 +336,6 @@ def start_agent(
     name = f"collect-{tag}-{node}.log"
     proc = procs.spawn(argv, env, name)
     agent = Agent(node, proc, procs.logs / name, f"http://127.0.0.1:{port}/metrics")
-    if not wait_for(lambda: agent.ready() or proc.poll() is not None, 30) or proc.poll():
+    if not wait_until(lambda: agent.ready() or proc.poll() is not None, 30) or proc.poll():
         raise FaultBenchError(f"oomcast collect --node {node} did not start ({name})")
     return agent

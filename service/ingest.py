@@ -43,6 +43,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from oomcast.model.text import as_str, compact_json
 from oomcast.model.wire import Keys
 from oomcast.service.cluster.leases import PartitionOwner, StaticPartitions
 from oomcast.service.cluster.ownership import Ownership, Snapshots
@@ -56,9 +57,7 @@ from oomcast.service.pipeline.decode import (
     Decoded,
     KeyForNode,
     StreamEntries,
-    _audit_record,
-    _dumps,
-    _s,
+    audit_record,
     decode_event_entries,
     decode_sample_entries,
 )
@@ -262,7 +261,7 @@ class Ingestor:
         )
         self.last_ok = time.monotonic()
         for stream, entries in [*(resp or []), *(events or [])]:
-            await self.process(_s(stream), entries)
+            await self.process(as_str(stream), entries)
 
     async def _ensure_groups(self) -> None:
         """The group of every partition's stream, held now or not (again after a Redis, or a
@@ -287,12 +286,12 @@ class Ingestor:
         reads; say so instead of losing those nodes silently."""
         pattern = re.compile(re.escape(self.keys.prefix) + r":samples:\{(\d+)\}$")
         async for key in self.client.scan_iter(match=f"{self.keys.prefix}:samples:*", count=1000):
-            m = pattern.match(_s(key))
+            m = pattern.match(as_str(key))
             if m is None or int(m.group(1)) >= self.keys.partitions:
                 log.error(
                     "stream %s is read by no replica (OOMCAST_PARTITIONS=%d here); agents and"
                     " service must agree on OOMCAST_PARTITIONS",
-                    _s(key),
+                    as_str(key),
                     self.keys.partitions,
                 )
 
@@ -312,7 +311,7 @@ class Ingestor:
                 self.metrics.claimed.inc(len(entries))
                 await self.process(stream, entries)
                 await self._keep_leases()
-                last = _s(entries[-1][0])
+                last = as_str(entries[-1][0])
 
     async def _claim_stale(self) -> None:
         """Entries another consumer left pending for ``claim_idle_ms`` (it died)."""
@@ -339,7 +338,7 @@ class Ingestor:
                 await self._keep_leases()
                 if not self.ownership.owns_stream(stream):
                     return claimed  # lost meanwhile: the new owner claims the rest
-            start = _s(nxt)
+            start = as_str(nxt)
             if start == "0-0":
                 return claimed
 
@@ -380,7 +379,7 @@ class Ingestor:
         )
         await self.commit(batch)
         for dl in evaluated.deadletters:  # counted once on record, by why
-            self.metrics.rejected.labels(reason=_s(dl.get("code", "undecodable"))).inc()
+            self.metrics.rejected.labels(reason=as_str(dl.get("code", "undecodable"))).inc()
         await self.acknowledge(stream, group, [entry_id for entry_id, _ in entries])
 
     def evaluate_events(self, decoded: Decoded) -> Evaluated:
@@ -393,7 +392,7 @@ class Ingestor:
             if event.event == "oom":  # the domain's forecaster restarted: snapshot it now
                 out.touched.append(event.domain)
             if event.event in AUDITED_EVENTS:
-                out.audit_events.append(_audit_record(event.event, fields))
+                out.audit_events.append(audit_record(event.event, fields))
         return out
 
     async def forecast_and_evaluate(self, stream: str, decoded: Decoded) -> Evaluated:
@@ -415,7 +414,7 @@ class Ingestor:
                         "stream": stream,
                         "reason": str(problem),
                         "code": code,
-                        "sample": _dumps(sample.to_dict()),
+                        "sample": compact_json(sample.to_dict()),
                     }
                 )
             out.alerts.extend(applied.alerts)
@@ -466,7 +465,7 @@ class Ingestor:
             for record in records:
                 pipe.xadd(
                     self.keys.alerts,
-                    {"alert": _dumps(record)},
+                    {"alert": compact_json(record)},
                     maxlen=self.alerts_maxlen,
                     approximate=True,
                 )

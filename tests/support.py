@@ -9,8 +9,6 @@ import json
 import math
 import os
 import random
-import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -19,8 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import redis
-
+from oomcast.bench.procs import RedisServer
+from oomcast.bench.procs import free_port as free_port  # re-exported: tests take it from here
+from oomcast.bench.procs import wait_until as wait_until
 from oomcast.model.schema import Event, Record, Sample
 from oomcast.model.trace import write_trace
 
@@ -162,12 +161,6 @@ def v2_files(
 # --- processes, ports and waiting ---------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def open_fds(under: Path) -> int:
     """Descriptors of this process open on files under ``under`` (counting all of the
     process's would also count what other tests' threads open and close meanwhile)."""
@@ -179,17 +172,6 @@ def open_fds(under: Path) -> int:
             continue  # closed meanwhile (the listing's own descriptor, say)
         n += target.startswith(str(under))
     return n
-
-
-def wait_until(predicate: Any, timeout_s: float = 20.0, interval_s: float = 0.05) -> bool:
-    """Poll ``predicate`` until it is true (True) or ``timeout_s`` passes (False). The one
-    place the tests sleep: everything else waits on a condition through this."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return False
 
 
 def oomcast_cmd(*args: str) -> list[str]:
@@ -220,52 +202,12 @@ def start_serve(env: dict[str, str], port: int) -> subprocess.Popen[bytes]:
     return proc
 
 
-class PrivateRedis:
-    """A redis-server of the test's own, on a free port, that the test can stop and restart."""
+class PrivateRedis(RedisServer):
+    """A redis-server of the test's own, on a free port, in memory only, that the test can
+    stop and restart (``bench/procs.py``'s, the one every part starts)."""
 
     def __init__(self, tmp: Path) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server is not on PATH; .ci/run installs it")
-        self.exe = exe
-        self.tmp = tmp
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                self.exe,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.tmp),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-
-        def answers() -> bool:
-            try:
-                return bool(redis.Redis.from_url(self.url, socket_connect_timeout=0.2).ping())
-            except redis.RedisError:
-                return False
-
-        if not wait_until(answers, 10):
-            raise RuntimeError("private redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(10)
-            self.proc = None
+        super().__init__(None, tmp, persist=False)
 
 
 class WebhookReceiver:

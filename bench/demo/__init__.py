@@ -25,13 +25,13 @@ import faulthandler
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import httpx
 import redis
@@ -41,6 +41,7 @@ from pydantic import SecretStr
 from oomcast.bench.demo.inbox import WebhookInbox
 from oomcast.bench.demo.summary import summarize
 from oomcast.bench.demo.view import watch
+from oomcast.bench.procs import FaultBenchError, RedisServer, free_port
 from oomcast.model.control import node_key
 from oomcast.model.wire import DEFAULT_REDIS_URL, redact_url
 from oomcast.service.main import create_app
@@ -64,12 +65,6 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 class DemoError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _answers(url: str) -> bool:
@@ -97,44 +92,20 @@ def redis_for_demo(
         say(f"Redis: {redact_url(url)} (found running)")
         yield url
         return
-    exe = shutil.which("redis-server")
-    if exe is None:
+    if shutil.which("redis-server") is None:
         raise DemoError(
             "no Redis: set OOMCAST_REDIS_URL, start one on localhost:6379, or install"
             " redis-server (Debian/Ubuntu: apt-get install redis-server)"
         )
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="oomcast-redis-") as tmp:
-        proc = subprocess.Popen(
-            [
-                exe,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                tmp,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # Ctrl-C is for the demo, which stops this server last
-        )
-        url = f"redis://127.0.0.1:{port}/0"
+        server = RedisServer(None, Path(tmp), persist=False)
         try:
-            deadline = time.monotonic() + 10
-            while not _answers(url):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise DemoError(f"could not start {exe} on port {port}")
-                time.sleep(0.1)
-            say(f"Redis: started a private redis-server at {url}")
-            yield url
-        finally:
-            proc.terminate()
-            proc.wait(5)
+            server.start(timeout_s=10)
+        except FaultBenchError as exc:
+            raise DemoError(f"could not start a private Redis: {exc}") from exc
+        with server:  # stopped on the way out
+            say(f"Redis: started a private redis-server at {server.url}")
+            yield server.url
 
 
 def _delete_demo_keys(url: str) -> None:

@@ -30,7 +30,7 @@ from oomcast.bench.faults.stage import (
     batch_ids,
     http_batch,
 )
-from oomcast.bench.procs import read_status, wait_for
+from oomcast.bench.procs import read_status, wait_until
 from oomcast.model.control import new_command, node_key, sign_command
 from oomcast.model.wire import answer, encode_samples
 
@@ -125,7 +125,7 @@ def _started(b: Bench, sc: Scenario) -> tuple[Node, Any]:
     node = Node(b, sc)
     svc = sc.service()
     sc.agent(NODE, node.agent_args())
-    if not wait_for(lambda: (sc.newest_forecast(svc, NODE) or 0) > 0, 30):
+    if not wait_until(lambda: (sc.newest_forecast(svc, NODE) or 0) > 0, 30):
         sc.problems.append("the cgroup domain was never forecast")
     return node, svc
 
@@ -160,7 +160,7 @@ def forged_command(b: Bench, sc: Scenario) -> dict[str, Any]:
             and r.get("command_id") in ids
         )
 
-    if not wait_for(lambda: on_record() >= len(ids), 15, 0.2):
+    if not wait_until(lambda: on_record() >= len(ids), 15, 0.2):
         sc.problems.append("not every refusal reached the audit stream (GET /v1/alerts)")
     sc.figures["refusals_on_record"] = on_record()
     recovery = sc.recovered_after(svc, [NODE], fault_end)
@@ -168,7 +168,7 @@ def forged_command(b: Bench, sc: Scenario) -> dict[str, Any]:
     control = _shed_command()
     sc.client.xadd(stream, cast(Any, sign_command(control, node_key(b.master_secret, NODE))))
     sc.allowed_commands.add(control["id"])
-    taken = wait_for(lambda: not node.victim_alive(), 15)
+    taken = wait_until(lambda: not node.victim_alive(), 15)
     sc.figures["control_victim_ended"] = taken
     if not taken:
         sc.problems.append(
@@ -311,7 +311,7 @@ def oversized_body(b: Bench, sc: Scenario) -> dict[str, Any]:
     but chunked (no length): refused early, never buffered; ingest goes on."""
     svc = sc.service()
     sc.agent(NODE, (*SIM_ARGS, *SIM_INTERVAL))
-    wait_for(lambda: (sc.newest_forecast(svc, NODE) or 0) > 0, 30)
+    wait_until(lambda: (sc.newest_forecast(svc, NODE) or 0) > 0, 30)
     before = read_status(svc.pid)
     posts = {
         "unauthenticated": stream_post(svc.base, "/v1/samples", {}, chunked=False),

@@ -15,7 +15,7 @@ import redis
 
 from oomcast.bench.faults import ledger
 from oomcast.bench.faults.stage import Bench, Scenario, batch_ids, http_batch
-from oomcast.bench.procs import Procs, wait_for
+from oomcast.bench.procs import Procs, wait_until
 from oomcast.model.wire import Keys
 
 WARM_S = 6.0  # the system runs this long before a fault: alerts owed, some delivered
@@ -28,7 +28,7 @@ NODE = "bf-node-1"
 def _warm(sc: Scenario) -> None:
     """Run until some alert has been delivered (the path is exercised), or WARM_S * 3."""
     t0 = time.monotonic()
-    wait_for(lambda: sc.alerts()["alerts_delivered"] > 0, WARM_S * 3, 0.25)
+    wait_until(lambda: sc.alerts()["alerts_delivered"] > 0, WARM_S * 3, 0.25)
     time.sleep(max(0.0, WARM_S - (time.monotonic() - t0)))
 
 
@@ -54,7 +54,7 @@ def service_sigkill(b: Bench, sc: Scenario) -> dict[str, Any]:
     sc.agent(NODE)
     _warm(sc)
     b.receiver.hold_s = 2.0
-    mid = wait_for(lambda: b.receiver.in_flight > 0, 30, 0.02)
+    mid = wait_until(lambda: b.receiver.in_flight > 0, 30, 0.02)
     Procs.kill(svc.proc)
     b.receiver.hold_s = 0.0
     if not mid:
@@ -165,7 +165,7 @@ def maxmemory(b: Bench, sc: Scenario) -> dict[str, Any]:
     used = int(cast(Any, client.info("memory"))["used_memory"])
     client.config_set("maxmemory", max(1, used // 2))
     t0 = time.time()
-    readyz_503 = wait_for(lambda: not svc.ready(), MAXMEMORY_S, 0.1)
+    readyz_503 = wait_until(lambda: not svc.ready(), MAXMEMORY_S, 0.1)
     sc.figures["readyz_503_after_s"] = round(time.time() - t0, 2) if readyz_503 else None
     batch = http_batch("bf-http", 50, time.time())
     with b.http() as http:

@@ -35,6 +35,7 @@ from typing import Any, cast
 
 import redis
 
+from oomcast.model.text import as_str
 from oomcast.model.wire import DecodedSample, Keys, decode_samples
 from oomcast.service.delivery.outbox import delivery_id
 
@@ -42,12 +43,8 @@ SampleId = tuple[str, str, float]  # node, device, ts
 GROUP = "oomcast-service"  # the consumer group every replica of the bench reads in
 
 
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _id(entry_id: bytes | str) -> tuple[int, int]:
-    ms, _, seq = _s(entry_id).partition("-")
+    ms, _, seq = as_str(entry_id).partition("-")
     return int(ms), int(seq or 0)
 
 
@@ -60,7 +57,7 @@ def xrange_all(client: redis.Redis, key: str) -> list[tuple[str, dict[bytes, byt
         if not page:
             return out
         for entry_id, fields in page:
-            out.append((_s(entry_id), fields))
+            out.append((as_str(entry_id), fields))
         ms, seq = _id(page[-1][0])
         start = f"{ms}-{seq + 1}"
 
@@ -80,7 +77,7 @@ def stream_state(client: redis.Redis, stream: str, group: str = GROUP) -> Stream
     info: dict[str, Any] | None = None
     try:
         for g in cast(Any, client.xinfo_groups(stream)):
-            if _s(g["name"]) == group:
+            if as_str(g["name"]) == group:
                 info = g
     except redis.ResponseError:  # no such stream
         info = None
@@ -90,7 +87,7 @@ def stream_state(client: redis.Redis, stream: str, group: str = GROUP) -> Stream
     pending_ids: set[str] = set()
     if int(info["pending"]):
         rows = cast(Any, client.xpending_range(stream, group, min="-", max="+", count=1_000_000))
-        pending_ids = {_s(r["message_id"]) for r in rows}
+        pending_ids = {as_str(r["message_id"]) for r in rows}
     acked = {eid for eid, _ in entries if _id(eid) <= last and eid not in pending_ids}
     unread = sum(1 for eid, _ in entries if _id(eid) > last)
     return StreamState(entries, acked, len(pending_ids), unread)
@@ -174,7 +171,7 @@ def copies(
     for _, fields in xrange_all(client, keys.deadletter):
         for sid in _deadletter_ids(fields):
             out.refused[sid] += 1
-            out.reasons.setdefault(sid, set()).add(_s(fields.get(b"code", b"undecodable")))
+            out.reasons.setdefault(sid, set()).add(as_str(fields.get(b"code", b"undecodable")))
     return out
 
 

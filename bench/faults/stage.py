@@ -28,7 +28,7 @@ from oomcast.bench.procs import (
     Service,
     start_agent,
     start_service,
-    wait_for,
+    wait_until,
 )
 from oomcast.bench.receiver import CountingReceiver
 from oomcast.model.control import node_key
@@ -198,7 +198,7 @@ class Scenario:
                     found[name] = round(time.time() - since, 2)
             return all(v is not None for v in found.values())
 
-        wait_for(all_held, max(0.0, timeout_s - (time.time() - since)), 0.1)
+        wait_until(all_held, max(0.0, timeout_s - (time.time() - since)), 0.1)
         for name, value in found.items():
             if value is None:
                 self.problems.append(f"{name}: not reached {timeout_s:.0f}s after the fault")
@@ -219,7 +219,7 @@ class Scenario:
     def wait_events(
         self, predicate: Callable[[list[dict[str, Any]]], bool], timeout_s: float
     ) -> bool:
-        return wait_for(lambda: predicate(ledger.events(self.client, self.keys)), timeout_s, 0.2)
+        return wait_until(lambda: predicate(ledger.events(self.client, self.keys)), timeout_s, 0.2)
 
     # --- the end ----------------------------------------------------------------------------
 
@@ -251,13 +251,13 @@ class Scenario:
             )
         self.figures["agents_pushed_back"] = pushed_back  # how the fault reached the nodes
         t1 = time.monotonic()
-        if not wait_for(lambda: ledger.drained(self.client, self.keys), drain_timeout_s, 0.25):
+        if not wait_until(lambda: ledger.drained(self.client, self.keys), drain_timeout_s, 0.25):
             self.problems.append(
                 "sample entries still unread or unacknowledged"
                 f" {drain_timeout_s:.0f}s after the end"
             )
         t2 = time.monotonic()
-        if not wait_for(self.alerts_caught_up(until=time.time()), alert_timeout_s, 0.25):
+        if not wait_until(self.alerts_caught_up(until=time.time()), alert_timeout_s, 0.25):
             self.problems.append(f"alerts still owed {alert_timeout_s:.0f}s after the end")
         self.figures["end_waits_s"] = {
             "agents_stopped": round(t1 - t0, 1),

@@ -42,18 +42,11 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
+from oomcast.model.text import as_str, compact_json
 from oomcast.model.wire import Keys, answer_async
 
 DONE_KEPT_S = 2 * 86_400.0  # how long an ended id is remembered, at least
 TARGETS = ("webhook", "alertmanager")  # every kind of receiver deliveries may be owed to
-
-
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
 
 
 def delivery_id(record: Mapping[str, Any], target: str) -> str:
@@ -85,7 +78,7 @@ class Delivery:
     max_age_s: float | None = None
 
     def to_json(self) -> str:
-        return _dumps(
+        return compact_json(
             {
                 "id": self.id,
                 "target": self.target,
@@ -131,7 +124,7 @@ class Progress:
         )
 
     def to_json(self) -> str:
-        return _dumps(
+        return compact_json(
             {
                 "attempts": self.attempts,
                 "first_failed_at": self.first_failed_at,
@@ -425,7 +418,7 @@ class Outbox:
             if first_failing:
                 fid, since = first_failing[0]
                 th.failing_for_s = max(0.0, now - float(since))
-                meta = await answer_async(self.client.hget(self.key(target, "meta"), _s(fid)))
+                meta = await answer_async(self.client.hget(self.key(target, "meta"), as_str(fid)))
                 th.last_error = Progress.from_json(meta or "").last_error
             out.targets[target] = th
         return out

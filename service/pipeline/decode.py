@@ -14,6 +14,7 @@ from typing import Any
 
 from oomcast.model.forecast import Embedding as ForecastEmbedding
 from oomcast.model.schema import Event, Sample, SchemaError
+from oomcast.model.text import as_str, compact_json
 from oomcast.model.wire import (
     DecodedSample,
     Keys,
@@ -49,14 +50,6 @@ AUDITED_EVENTS = frozenset(
 )
 
 
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
-
-
 @dataclass
 class Decoded:
     """A batch of entries, read: samples (with the node's embeddings, where they match the
@@ -85,15 +78,15 @@ REJECT_CODES = (
 def deadletter(
     stream: str, entry_id: bytes | str, fields: Fields, reason: str, code: str = "undecodable"
 ) -> DeadLetter:
-    log.warning("dead-lettered entry %s of %s: %s", _s(entry_id), stream, reason)
+    log.warning("dead-lettered entry %s of %s: %s", as_str(entry_id), stream, reason)
     out: DeadLetter = {
         "stream": stream,
-        "entry_id": _s(entry_id),
+        "entry_id": as_str(entry_id),
         "reason": reason,
         "code": code,
     }
     for k, v in fields.items():
-        key = _s(k)
+        key = as_str(k)
         if key not in out:
             # what arrived, as it arrived (nothing accepted is lost), up to a bound: a
             # 500 MB field must not be copied into Redis a second time
@@ -129,7 +122,7 @@ def sample_deadletter(
         "entry_id": entry_id,
         "reason": reason,
         "code": code,
-        "sample": _dumps(sample.to_dict()),
+        "sample": compact_json(sample.to_dict()),
     }
 
 
@@ -167,7 +160,7 @@ def decode_sample_entries(
         if isinstance(decoded, Exception):
             out.deadletters.append(deadletter(stream, entry_id, fields, _reason(decoded)))
             continue
-        eid = _s(entry_id)
+        eid = as_str(entry_id)
         ms = arrival_ms(eid, now)
         signed_by = _signer(fields, key_for_node)
         for item in decoded:
@@ -222,7 +215,7 @@ def _signer(fields: Fields, key_for_node: KeyForNode | None) -> str | None:
             return None
     except Exception:  # a malformed signature field is an unsigned entry, nothing worse
         return None
-    return _s(fields.get(b"node", fields.get("node", b"")) or b"") or None
+    return as_str(fields.get(b"node", fields.get("node", b"")) or b"") or None
 
 
 def decode_event_entries(
@@ -247,7 +240,7 @@ def decode_event_entries(
         except Exception as exc:  # any undecodable entry, not only the foreseen ones
             out.deadletters.append(deadletter(stream, entry_id, fields, _reason(exc)))
             continue
-        why = _skew_problem(event.ts, arrival_ms(_s(entry_id), now) / 1000, max_skew_s)
+        why = _skew_problem(event.ts, arrival_ms(as_str(entry_id), now) / 1000, max_skew_s)
         if why is not None:
             out.deadletters.append(deadletter(stream, entry_id, fields, why, "ts_skew"))
             continue
@@ -262,7 +255,7 @@ def _reason(exc: Exception) -> str:
     return f"undecodable entry ({type(exc).__name__}: {exc})"[:500]
 
 
-def _audit_record(name: str, fields: Fields) -> dict[str, Any]:
+def audit_record(name: str, fields: Fields) -> dict[str, Any]:
     """The event as its sender wrote it (with the keys readers do not model), marked so."""
     raw = fields.get(b"event", fields.get("event"))
     try:

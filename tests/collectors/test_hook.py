@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import redis
-from support import wait_until
+from support import free_port, wait_until
 
 from oomcast.bench.hook import bench_hook
 from oomcast.collectors import hook as hook_mod
@@ -206,14 +206,8 @@ def test_min_interval_subsamples_a_fast_loop(make_hook: Callable[..., MemoryHook
     assert (hook.stats.steps, hook.stats.samples) == (50, 1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_unreachable_redis_never_blocks_a_step(key_prefix: str) -> None:
-    port = _free_port()  # nothing listens there: every connection is refused
+    port = free_port()  # nothing listens there: every connection is refused
     hook = MemoryHook(
         "job-1",
         redis_url=f"redis://127.0.0.1:{port}/0",

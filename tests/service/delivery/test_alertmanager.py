@@ -14,7 +14,6 @@ import inspect
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +25,7 @@ import httpx
 import pytest
 import redis
 import redis.asyncio as aioredis
-from support import wait_until
+from support import free_port, wait_until
 
 from oomcast.model.wire import Keys
 from oomcast.service.delivery.alertmanager import (
@@ -59,12 +58,6 @@ route:
 receivers:
   - name: "null"
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Alertmanager:

@@ -31,9 +31,8 @@ from typing import Any
 
 import httpx
 
-from oomcast.bench.ingest import BenchRedis
 from oomcast.bench.load import cpu_seconds, rss_mb
-from oomcast.bench.procs import FaultBenchError, Procs, start_service
+from oomcast.bench.procs import FaultBenchError, Procs, RedisServer, start_service
 from oomcast.model.schema import Sample
 from oomcast.service.main import build_context, create_app
 from oomcast.service.settings import Settings
@@ -254,7 +253,7 @@ def bench_predict(
     procs = Procs(logs)
     token = secrets.token_urlsafe(24)
     try:
-        server = BenchRedis(procs, logs)
+        server = RedisServer(procs, logs, persist=False)
         server.start()
         env = {k: v for k, v in os.environ.items() if not k.startswith("OOMCAST_")}
         env.update(

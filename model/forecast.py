@@ -3,13 +3,20 @@
 A forecaster is stepped one sample at a time per memory domain, in batches across domains:
 ``step(states, samples)`` advances ``states[i]`` by ``samples[i]``. Baselines loop; the LSTM
 runs one batched call. The per-domain state is opaque to callers.
+
+``Forecaster`` is all a forecaster must have. What some have beyond it is declared here, one
+protocol per ability (``SnapshotForecaster``, ``SlotForecaster``, ``BatchForecaster``,
+``WindowForecaster``, ``EmbeddingForecaster``), and callers use it through the functions
+below (``export_state``, ``release_state``, ``step_arrays``, ``forecast_window``,
+``embedding_version``), which fall back to what every forecaster can do: nothing outside
+this module asks a forecaster what it has.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -92,7 +99,8 @@ class Forecaster(Protocol):
         ...
 
 
-class SnapshotForecaster(Forecaster, Protocol):
+@runtime_checkable
+class SnapshotForecaster(Protocol):
     """A forecaster whose per-domain state can be saved and restored, so a replica that
     takes a domain over continues its forecasts instead of starting them cold."""
 
@@ -105,29 +113,100 @@ class SnapshotForecaster(Forecaster, Protocol):
         ...
 
 
+@runtime_checkable
+class SlotForecaster(Protocol):
+    """A forecaster that keeps states in reusable slots: a state must be given back."""
+
+    def release(self, state: Any) -> None: ...
+
+
+@runtime_checkable
+class BatchForecaster(Protocol):
+    """A forecaster that gives a batch as arrays too: ``(forecasts, risk, ttos)``, ``risk``
+    with one row per sample and one column per horizon (``horizons_s`` order)."""
+
+    def step_arrays(
+        self,
+        states: list[Any],
+        samples: list[Sample],
+        embeddings: Sequence[Embedding | None] | None = None,
+    ) -> tuple[list[Forecast], npt.NDArray[np.float32], list[float | None]]: ...
+
+
+@runtime_checkable
+class WindowForecaster(Protocol):
+    """A forecaster that forecasts the last sample of a window faster than stepping it."""
+
+    def window_last(self, samples: list[Sample]) -> Forecast: ...
+
+
+@runtime_checkable
+class EmbeddingForecaster(Protocol):
+    """A forecaster that reads the embedding nodes send (``model/embedding.py``'s
+    ``EMBEDDING_VERSION``); the service decodes only embeddings of this version."""
+
+    embedding_version: int
+
+
 def export_state(forecaster: Forecaster, state: Any) -> dict[str, Any] | None:
     """The domain's state as JSON-able values; None when the forecaster cannot save it."""
-    export = getattr(forecaster, "export_state", None)
-    if export is None:
+    if not isinstance(forecaster, SnapshotForecaster):
         return None
-    data: dict[str, Any] = export(state)
-    return data
+    return forecaster.export_state(state)
 
 
 def import_state(forecaster: Forecaster, data: Mapping[str, Any] | None) -> Any:
     """A state restored from ``export_state``'s values, or a fresh one where there are none
     or the forecaster cannot restore them. ValueError when ``data`` is malformed."""
-    restore = getattr(forecaster, "import_state", None)
-    if data is None or restore is None:
+    if data is None or not isinstance(forecaster, SnapshotForecaster):
         return forecaster.init_state()
-    return restore(data)
+    return forecaster.import_state(data)
 
 
 def release_state(forecaster: Forecaster, state: Any) -> None:
     """Give a domain's state back (the ONNX forecaster keeps states in reusable slots)."""
-    release = getattr(forecaster, "release", None)
-    if release is not None:
-        release(state)
+    if isinstance(forecaster, SlotForecaster):
+        forecaster.release(state)
+
+
+def step_arrays(
+    forecaster: Forecaster,
+    states: list[Any],
+    samples: list[Sample],
+    embeddings: Sequence[Embedding | None] | None = None,
+) -> tuple[list[Forecast], npt.NDArray[np.float32], list[float | None]]:
+    """``step``, and the batch as arrays (see ``BatchForecaster``): the forecaster's own
+    where it has them, else built from its forecasts."""
+    if isinstance(forecaster, BatchForecaster):
+        return forecaster.step_arrays(states, samples, embeddings)
+    forecasts = forecaster.step(states, samples, embeddings)
+    risk = np.asarray(
+        [[fc.risk_at(h) for h in forecaster.horizons_s] for fc in forecasts], np.float32
+    ).reshape(len(forecasts), len(forecaster.horizons_s))
+    return forecasts, risk, [fc.time_to_oom_s for fc in forecasts]
+
+
+def forecast_window(forecaster: Forecaster, samples: list[Sample]) -> Forecast:
+    """The forecast of a window's last sample, from a fresh state stepped through the window
+    as a live domain is (live state is not touched). ValueError for an empty window."""
+    if not samples:
+        raise ValueError("a window needs at least one sample")
+    if isinstance(forecaster, WindowForecaster):
+        return forecaster.window_last(samples)
+    state = forecaster.init_state()
+    try:
+        forecast = None
+        for sample in samples:
+            forecast = forecaster.step([state], [sample])[0]
+    finally:
+        release_state(forecaster, state)
+    assert forecast is not None
+    return forecast
+
+
+def embedding_version(forecaster: Forecaster) -> int | None:
+    """The embedding version the forecaster reads from nodes; None when it reads none."""
+    return forecaster.embedding_version if isinstance(forecaster, EmbeddingForecaster) else None
 
 
 def risk_from_time_to_oom(

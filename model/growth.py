@@ -252,7 +252,13 @@ class GrowthTracker:
         return [
             *(_pct(f.slope) if f.valid else 0.0 for f in fits),
             *(min(10.0, f.se * 100.0) if f.valid else 10.0 for f in fits),
-            mid, low, high, decel, math.log1p(age), plateau, slowing,
+            mid,
+            low,
+            high,
+            decel,
+            math.log1p(age),
+            plateau,
+            slowing,
         ]
 
     def _levelling(self, now: float, fits: list[Fit]) -> tuple[float, float]:

@@ -43,6 +43,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from oomcast.model.forecast import embedding_version
 from oomcast.model.text import as_str, compact_json
 from oomcast.model.wire import Keys
 from oomcast.service.cluster.leases import PartitionOwner, StaticPartitions
@@ -355,7 +356,7 @@ class Ingestor:
             evaluated = self.evaluate_events(decoded)
         else:
             group = self.group
-            version = getattr(self.live.forecaster, "embedding_version", None)
+            version = embedding_version(self.live.forecaster)
             decoded = decode_sample_entries(
                 stream,
                 entries,

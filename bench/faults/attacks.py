@@ -32,6 +32,7 @@ from oomcast.bench.faults.stage import (
 )
 from oomcast.bench.procs import read_status, wait_until
 from oomcast.model.control import new_command, node_key, sign_command
+from oomcast.model.text import as_str
 from oomcast.model.wire import answer, encode_samples
 
 GIB = 1 << 30
@@ -235,7 +236,7 @@ def forged_sample(b: Bench, sc: Scenario) -> dict[str, Any]:
         ]
         for fields in forged:
             eid = answer(sc.client.xadd(sc.keys.samples_for(fields["node"]), cast(Any, fields)))
-            sc.forged_entries.add(ledger._s(eid))
+            sc.forged_entries.add(as_str(eid))
             for sample in json.loads(fields["samples"]):
                 sc.forged_samples.add((sample["node"], sample["device"], float(sample["ts"])))
         fault_end = time.time()

@@ -16,6 +16,7 @@ import redis
 from oomcast.bench.faults import ledger
 from oomcast.bench.faults.stage import Bench, Scenario, batch_ids, http_batch
 from oomcast.bench.procs import Procs, wait_until
+from oomcast.model.text import as_str
 from oomcast.model.wire import Keys
 
 WARM_S = 6.0  # the system runs this long before a fault: alerts owed, some delivered
@@ -111,7 +112,7 @@ def _held_by(client: redis.Redis, keys: Keys, consumer: str) -> int:
         except redis.ResponseError:
             continue
         for row in summary.get("consumers") or []:
-            if ledger._s(row["name"]) == consumer:
+            if as_str(row["name"]) == consumer:
                 held += int(row["pending"])
     return held
 

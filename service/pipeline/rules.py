@@ -23,9 +23,13 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
 
 from oomcast.model.forecast import HORIZONS_S, Forecast
 from oomcast.model.schema import Sample
@@ -124,6 +128,38 @@ class Rule:
         else:
             cond = f"risk within {self.horizon_s}s >= {self.fire_risk:g}"
         return f"{self.name}: {cond} for {self.fire_after} samples"
+
+
+def fires_any(
+    rules: Sequence[Rule],
+    forecasts: Sequence[Forecast],
+    risk: npt.NDArray[np.float32] | None = None,
+    horizons_s: Sequence[int] = (),
+    ttos: Sequence[float | None] | None = None,
+) -> list[bool]:
+    """Per forecast, whether any rule's firing bar is crossed by it (``Rule.fires``, over a
+    batch). Given the batch as arrays (``risk`` with one column per ``horizons_s``, and the
+    times to OOM), the thousands of forecasts of one round are judged with one comparison
+    per rule; a rule whose horizon has no column is judged forecast by forecast. Only a
+    forecast for which this is true needs its episodes advanced one by one: the rest are
+    quiet for every rule."""
+    n = len(forecasts)
+    if risk is None or ttos is None:
+        return [any(r.fires(fc) for r in rules) for fc in forecasts]
+    columns = {h: i for i, h in enumerate(horizons_s)}
+    hot = np.zeros(n, dtype=bool)
+    tto: npt.NDArray[np.float64] | None = None
+    for rule in rules:
+        if rule.fire_tto_s is not None:
+            if tto is None:
+                tto = np.array([math.inf if t is None else t for t in ttos], np.float64)
+            hot |= tto <= rule.fire_tto_s
+        elif rule.horizon_s in columns and rule.fire_risk is not None:
+            hot |= risk[:, columns[rule.horizon_s]] >= rule.fire_risk
+        else:
+            hot |= np.fromiter((rule.fires(fc) for fc in forecasts), bool, n)
+    out: list[bool] = hot.tolist()
+    return out
 
 
 def policy_rule(policy: AlertPolicy, name: str = "oom-forecast") -> Rule:

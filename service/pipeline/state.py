@@ -11,23 +11,28 @@ it and handles Redis and deliveries itself.
 from __future__ import annotations
 
 import gc
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from oomcast.model.events import ScheduleEvent
 from oomcast.model.forecast import Embedding as ForecastEmbedding
-from oomcast.model.forecast import Forecast, Forecaster, release_state
+from oomcast.model.forecast import Forecast, Forecaster, release_state, step_arrays
 from oomcast.model.phase import PhaseForecast, PhaseState
 from oomcast.model.schema import Domain, Event, Sample, SchemaError
 from oomcast.service.api.device_query import DeviceFilter, DevicePage, RankCache, query_devices
 from oomcast.service.pipeline.explainer import diagnosis_of, explained
 from oomcast.service.pipeline.history import History
 from oomcast.service.pipeline.phases import forget_job, on_schedule, phase_step
-from oomcast.service.pipeline.rules import Alert, Episode, Rule, advance, end_episode, still_firing
+from oomcast.service.pipeline.rules import (
+    Alert,
+    Episode,
+    Rule,
+    advance,
+    end_episode,
+    fires_any,
+    still_firing,
+)
 
 
 @dataclass
@@ -404,8 +409,8 @@ class LiveState:
         ):
             if st.phases is not None:  # only a domain whose job announced a schedule
                 merged = phase_step(st, sample, fc)
-                if merged is not fc:
-                    fc, fires = merged, True  # the rules judge the merged forecast
+                if merged is not fc:  # the rules judge the merged forecast
+                    fc, fires = merged, fires_any(self.rules, [merged])[0]
                     risks[i], ttos[i] = fc.risk_at(horizon), fc.time_to_oom_s
             st.forecast = fc
             st.samples_seen += 1
@@ -427,30 +432,14 @@ class LiveState:
         its arrays: a domain whose rules are all quiet needs nothing more from them); and
         per forecast the risk at ``horizon_s`` and the time to OOM, for the history."""
         slots = [st.forecaster_state for st in states]
-        step_arrays = getattr(self.forecaster, "step_arrays", None)
-        horizon = self.horizon_s
-        columns = {h: i for i, h in enumerate(self.forecaster.horizons_s)}
-        if step_arrays is None or horizon not in columns:
-            forecasts = self.forecaster.step(slots, samples, embs)
-            return (
-                forecasts,
-                [any(r.fires(fc) for r in self.rules) for fc in forecasts],
-                [fc.risk_at(horizon) for fc in forecasts],
-                [fc.time_to_oom_s for fc in forecasts],
-            )
-        forecasts, risk, ttos = step_arrays(slots, samples, embs)
-        hot = np.zeros(len(forecasts), dtype=bool)
-        tto: np.ndarray | None = None
-        for rule in self.rules:
-            if rule.fire_tto_s is not None:
-                if tto is None:
-                    tto = np.array([math.inf if t is None else t for t in ttos])
-                hot |= tto <= rule.fire_tto_s
-            elif rule.horizon_s in columns and rule.fire_risk is not None:
-                hot |= risk[:, columns[rule.horizon_s]] >= rule.fire_risk
-            else:  # a horizon the arrays do not hold: judged one by one
-                hot |= np.fromiter((rule.fires(fc) for fc in forecasts), bool, len(forecasts))
-        return forecasts, hot.tolist(), risk[:, columns[horizon]].tolist(), list(ttos)
+        horizons = self.forecaster.horizons_s
+        forecasts, risk, ttos = step_arrays(self.forecaster, slots, samples, embs)
+        hot = fires_any(self.rules, forecasts, risk, horizons, ttos)
+        if self.horizon_s in horizons:
+            at_horizon: list[float] = risk[:, horizons.index(self.horizon_s)].tolist()
+        else:
+            at_horizon = [fc.risk_at(self.horizon_s) for fc in forecasts]
+        return forecasts, hot, at_horizon, list(ttos)
 
     def _run_rules(
         self,

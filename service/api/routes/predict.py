@@ -4,7 +4,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from oomcast.model.forecast import release_state
+from oomcast.model.forecast import forecast_window
 from oomcast.service.api.deps import Authorized, Ctx
 from oomcast.service.api.responses import WITH_BODY, responses
 from oomcast.service.api.samples_in import SamplesBody, parse_samples
@@ -16,19 +16,7 @@ router = APIRouter(tags=["forecast"], dependencies=[Authorized])
 def predict(body: SamplesBody, ctx: Ctx) -> dict[str, Any]:
     """Forecast one domain from its recent samples (stateless: live state is not touched)."""
     samples = parse_samples(body.samples, limit=ctx.settings.max_predict_samples, one_domain=True)
-    forecaster = ctx.detector.forecaster
-    forecast = None
-    window_last = getattr(forecaster, "window_last", None)
-    if window_last is not None:  # the model: the whole window in two calls
-        forecast = window_last(samples)
-    else:  # a baseline steps through the window
-        state = forecaster.init_state()
-        try:
-            for sample in samples:
-                forecast = forecaster.step([state], [sample])[0]
-        finally:
-            release_state(forecaster, state)
-    assert forecast is not None
+    forecast = forecast_window(ctx.detector.forecaster, samples)
     return {
         "risk": {str(h): round(p, 6) for h, p in forecast.risk.items()},
         "time_to_oom_s": forecast.time_to_oom_s,

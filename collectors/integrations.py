@@ -64,12 +64,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from oomcast.collectors.hook import MemoryHook
+from oomcast.model.frameworks import HFCallback, lightning_class
 
 log = logging.getLogger(__name__)
-
-
-def _noop(*args: Any, **kwargs: Any) -> None:
-    return None
 
 
 def any_rank(flag: bool) -> bool:
@@ -163,7 +160,7 @@ def announce_schedule(
         hook.set_schedule(**wanted, phase_extra_bytes=phase_extra_bytes)
 
 
-class OomcastTrainerCallback:
+class OomcastTrainerCallback(HFCallback):
     """A Hugging Face ``TrainerCallback``: samples at every optimizer step (with the global
     step), tells the hook the job's schedule and marks its evals and saves (see the module
     docstring), saves when a checkpoint is requested on any rank (``control.should_save``
@@ -209,11 +206,6 @@ class OomcastTrainerCallback:
         if self._owns_hook:
             self.hook.close()
         return control
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("on_"):
-            return _noop
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 def hf_checkpoint_dir(args: Any, state: Any) -> str:
@@ -308,31 +300,15 @@ class _LightningLogic:
             self.hook.close()
 
 
-_LIGHTNING_CLASSES: dict[type, type] = {}
-
-
 def lightning_callback_class() -> type:
     """``OomcastLightningCallback``, a subclass of Lightning's ``Callback``, made (once) by
     importing ``lightning`` or else ``pytorch_lightning``."""
-    try:
-        from lightning.pytorch import Callback
-    except ImportError:
-        try:
-            from pytorch_lightning import Callback
-        except ImportError as exc:
-            raise ImportError(
-                "OomcastLightningCallback needs PyTorch Lightning: pip install lightning"
-                " (or pytorch-lightning); for a plain training loop call hook.step() yourself"
-            ) from exc
-    cls = _LIGHTNING_CLASSES.get(Callback)
-    if cls is None:
-        cls = type(
-            "OomcastLightningCallback",
-            (_LightningLogic, Callback),
-            {"__module__": __name__, "__doc__": _LightningLogic.__doc__},
-        )
-        _LIGHTNING_CLASSES[Callback] = cls
-    return cls
+    return lightning_class(
+        _LightningLogic,
+        "OomcastLightningCallback",
+        __name__,
+        "for a plain training loop call hook.step() yourself",
+    )
 
 
 def OomcastLightningCallback(

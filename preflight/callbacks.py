@@ -49,6 +49,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from oomcast.model.frameworks import HFCallback, lightning_class
 from oomcast.preflight.api import preflight
 from oomcast.preflight.gpus import CONTEXT_ALLOWANCE_BYTES
 from oomcast.preflight.job import PreflightJob
@@ -288,7 +289,7 @@ def hf_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return loss
 
 
-class PreflightTrainerCallback(_PreflightAtStart):
+class PreflightTrainerCallback(_PreflightAtStart, HFCallback):
     """A Hugging Face ``TrainerCallback`` (duck-typed: the Trainer calls callbacks by method
     name) that preflights the model and one train batch at ``on_train_begin`` and stops an
     OOM before the first step. Arguments: see the module docstring and
@@ -310,15 +311,6 @@ class PreflightTrainerCallback(_PreflightAtStart):
             )
         )
         return control
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("on_"):
-            return _noop
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-
-def _noop(*args: Any, **kwargs: Any) -> None:
-    return None
 
 
 def lightning_loss(module: nn.Module, batch: Any) -> torch.Tensor:
@@ -370,31 +362,10 @@ class _LightningPreflight(_PreflightAtStart):
         )
 
 
-_LIGHTNING_CLASSES: dict[type, type] = {}
-
-
 def lightning_preflight_class() -> type:
     """``PreflightLightningCallback``'s class, a subclass of Lightning's ``Callback``, made
     once by importing ``lightning`` or else ``pytorch_lightning``."""
-    try:
-        from lightning.pytorch import Callback
-    except ImportError:
-        try:
-            from pytorch_lightning import Callback
-        except ImportError as exc:
-            raise ImportError(
-                "PreflightLightningCallback needs PyTorch Lightning: pip install lightning"
-                " (or pytorch-lightning)"
-            ) from exc
-    cls = _LIGHTNING_CLASSES.get(Callback)
-    if cls is None:
-        cls = type(
-            "PreflightLightningCallback",
-            (_LightningPreflight, Callback),
-            {"__module__": __name__, "__doc__": _LightningPreflight.__doc__},
-        )
-        _LIGHTNING_CLASSES[Callback] = cls
-    return cls
+    return lightning_class(_LightningPreflight, "PreflightLightningCallback", __name__, "")
 
 
 def PreflightLightningCallback(gpu: str | None = None, **options: Any) -> Any:

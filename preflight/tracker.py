@@ -26,6 +26,8 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from oomcast.training.module_stack import ModuleStack
+
 PHASES = ("forward", "backward", "optimizer", "eval", "checkpoint", "other")
 
 
@@ -64,33 +66,17 @@ class PhaseTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         self.failed_in: tuple[str, int] | None = None  # (phase, step) of the first failed op
         self._live: dict[int, int] = {}  # StorageImpl address -> storage id
         self._next_id = 1
-        self._module_stack: list[str] = []
-        self._handles: list[Any] = []
+        self.modules = ModuleStack()
         self._finalizers: list[weakref.finalize[Any, Any]] = []
 
     # -- modules ------------------------------------------------------------------------------
     def watch(self, model: nn.Module) -> None:
         """Label allocations with the module whose forward is running."""
-        for name, mod in model.named_modules():
-            label = name or type(mod).__name__
-            self._handles.append(mod.register_forward_pre_hook(self._enter(label)))
-            self._handles.append(mod.register_forward_hook(self._leave))
-
-    def _enter(self, label: str) -> Callable[..., None]:
-        def hook(mod: nn.Module, args: Any) -> None:
-            self._module_stack.append(label)
-
-        return hook
-
-    def _leave(self, mod: nn.Module, args: Any, out: Any) -> None:
-        if self._module_stack:
-            self._module_stack.pop()
+        self.modules.watch(model)
 
     def close(self) -> None:
         """Remove the module hooks and stop reporting frees (the run is over)."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self.modules.close()
         for f in self._finalizers:
             f.detach()
         self._finalizers.clear()
@@ -139,7 +125,7 @@ class PhaseTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             raise
         if self.untracked:
             return out
-        module = self._module_stack[-1] if self._module_stack else ""
+        module = self.modules.current
         sizes = fake_workspace_sizes(func, args, out)
         for i, t in enumerate(tree_flatten(out)[0]):
             if isinstance(t, torch.Tensor):

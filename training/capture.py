@@ -28,6 +28,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from oomcast.training.module_stack import ModuleStack
+
 PHASES = ("forward", "backward", "optimizer", "eval", "checkpoint", "other")
 
 
@@ -118,30 +120,15 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
         self.ops: list[Op] = []
         self._live: dict[int, int] = {}  # data_ptr -> storage id
         self._next_id = 1
-        self._module_stack: list[str] = []
-        self._handles: list[Any] = []
+        self.modules = ModuleStack()
 
     # -- modules ------------------------------------------------------------------------------
     def watch(self, model: nn.Module) -> None:
-        for name, mod in model.named_modules():
-            label = name or type(mod).__name__
-            self._handles.append(mod.register_forward_pre_hook(self._enter(label)))
-            self._handles.append(mod.register_forward_hook(self._leave))
-
-    def _enter(self, label: str) -> Callable[..., None]:
-        def hook(mod: nn.Module, args: Any) -> None:
-            self._module_stack.append(label)
-
-        return hook
-
-    def _leave(self, mod: nn.Module, args: Any, out: Any) -> None:
-        if self._module_stack:
-            self._module_stack.pop()
+        """Label allocations with the module whose forward is running."""
+        self.modules.watch(model)
 
     def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self.modules.close()
 
     # -- storages -----------------------------------------------------------------------------
     def adopt(self, tensors: Iterator[torch.Tensor]) -> list[Op]:
@@ -173,7 +160,7 @@ class AllocationTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        module = self._module_stack[-1] if self._module_stack else ""
+        module = self.modules.current
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 op = self._see(t, self.phase, module)

@@ -312,8 +312,19 @@ def score_trace(
         return chosen
     # an OOM event on a domain with no samples: nothing to alert on
     oom_ts = min(e.ts for e in trace.events if e.event == "oom")
-    return TraceResult(name, detector.name, True, oom_ts, None, False, {}, cause,
-                       first_ts=min(starts, default=oom_ts), end_ts=oom_ts, max_level=top)
+    return TraceResult(
+        name,
+        detector.name,
+        True,
+        oom_ts,
+        None,
+        False,
+        {},
+        cause,
+        first_ts=min(starts, default=oom_ts),
+        end_ts=oom_ts,
+        max_level=top,
+    )
 
 
 def _scores_better(a: TraceResult, b: TraceResult) -> bool:

@@ -21,6 +21,7 @@ from oomcast.collectors.integrations import (
     OomcastTrainerCallback,
     lightning_callback_class,
 )
+from oomcast.model import frameworks
 
 
 @pytest.fixture
@@ -247,7 +248,7 @@ def fake_lightning(monkeypatch: pytest.MonkeyPatch) -> type:
     pkg.pytorch = sub  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "lightning", pkg)
     monkeypatch.setitem(sys.modules, "lightning.pytorch", sub)
-    monkeypatch.setattr(integrations, "_LIGHTNING_CLASSES", {})
+    monkeypatch.setattr(frameworks, "_LIGHTNING_CLASSES", {})
     return FakeLightningCallback
 
 
@@ -398,7 +399,7 @@ def test_pytorch_lightning_is_the_fallback(monkeypatch: pytest.MonkeyPatch) -> N
     base = type("Callback", (), {})
     legacy.Callback = base  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "pytorch_lightning", legacy)
-    monkeypatch.setattr(integrations, "_LIGHTNING_CLASSES", {})
+    monkeypatch.setattr(frameworks, "_LIGHTNING_CLASSES", {})
     assert issubclass(lightning_callback_class(), base)
 
 

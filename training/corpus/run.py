@@ -317,8 +317,11 @@ def run_lightning_cnn(script: Script, stats: str | None) -> None:
     )  # fmt: skip
     loader = torch.utils.data.DataLoader(Batches(), batch_size=None)
     try:
-        trainer.fit(lit, train_dataloaders=loader,
-                    val_dataloaders=torch.utils.data.DataLoader(val, batch_size=script.batch))
+        trainer.fit(
+            lit,
+            train_dataloaders=loader,
+            val_dataloaders=torch.utils.data.DataLoader(val, batch_size=script.batch),
+        )
     finally:
         driver.close()
 

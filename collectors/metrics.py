@@ -1,11 +1,12 @@
 """The node agent's own HTTP endpoint: Prometheus ``/metrics``, ``/livez`` and ``/readyz``.
 
-The collector image carries no web framework and no prometheus_client (it must stay small
-and safe to run on every node), so this is the standard library's HTTP server writing the
-Prometheus text format by hand. What it shows, all read from counters the agent keeps
-anyway: ticks, samples collected / sent / dropped, publish errors, the local buffer, errors
-per source, and whatever figures a source offers through an optional ``metric_samples()``
-(NVML errors and call time, cgroup PSI per domain).
+The collector image carries no web framework (it must stay small and safe to run on every
+node), so this is the standard library's HTTP server; the text it serves is written by
+``prometheus_client`` (pure Python, no dependencies of its own), as the service's is.
+What it shows, all read from counters the agent keeps anyway: ticks, samples collected /
+sent / dropped, publish errors, the local buffer, errors per source, and whatever figures a
+source offers through an optional ``metric_samples()`` (NVML errors and call time, cgroup
+PSI per domain).
 
 ``/livez`` fails when the tick loop has stalled (no tick for five intervals and at least
 10 s); ``/readyz`` fails while Redis does not take samples (some are waiting in the buffer
@@ -16,12 +17,15 @@ one as not ready, without restarting it and losing its buffer.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from oomcast.collectors.agent import NodeAgent
 
@@ -31,30 +35,31 @@ log = logging.getLogger(__name__)
 MetricSample = tuple[str, str, str, dict[str, str], float]
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _fmt(value: float) -> str:
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value)) if not float(value).is_integer() else str(int(value))
-
-
 def render(samples: Iterable[MetricSample]) -> str:
-    """Prometheus text exposition (version 0.0.4), one HELP/TYPE block per metric name."""
-    blocks: dict[str, list[str]] = {}
+    """Prometheus text exposition (version 0.0.4, by ``prometheus_client``), one HELP/TYPE
+    block per metric name, in the order the names first come."""
+    families: dict[str, Metric] = {}
     for name, kind, help_text, labels, value in samples:
-        block = blocks.get(name)
-        if block is None:
-            block = blocks[name] = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-        label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
-        block.append(
-            f"{name}{{{label_text}}} {_fmt(value)}" if label_text else f"{name} {_fmt(value)}"
-        )
-    return "\n".join(line for block in blocks.values() for line in block) + "\n"
+        family = families.get(name)
+        if family is None:
+            family = families[name] = (
+                CounterMetricFamily(name, help_text)
+                if kind == "counter"
+                else GaugeMetricFamily(name, help_text)
+            )
+        sample_name = family.name + "_total" if kind == "counter" else name
+        family.add_sample(sample_name, dict(sorted(labels.items())), float(value))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry).decode()
+
+
+class _Families(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
 
 
 def agent_samples(agent: NodeAgent, extra: Sequence[Any] = ()) -> list[MetricSample]:

@@ -58,7 +58,7 @@ def test_render_text_format() -> None:
     assert text.splitlines() == [
         "# HELP a_total A.",
         "# TYPE a_total counter",
-        "a_total 3",
+        "a_total 3.0",
         "# HELP b B.",
         "# TYPE b gauge",
         'b{device="x\\"y"} 0.5',

@@ -2,11 +2,18 @@
 ``support.py``). Redis tests use the real server on 127.0.0.1:6379 (``.ci/run`` starts one),
 database 13 and a key prefix of their own, so they never touch anyone's data. Real memory
 cgroups come from one factory, ``make_cgroup``, which skips with the reason where this
-machine has no writable memory controller."""
+machine has no writable memory controller.
+
+Every test is marked by what it does (``pytest_collection_modifyitems``, from the fixtures
+it takes and what its module runs; pyproject.toml lists the markers): ``-m "not slow"`` is
+the fast tier, ``-m "not processes and not browser"`` keeps to this process, ``-m redis``
+selects what needs the Redis server."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import types
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -109,3 +116,47 @@ def v1(tmp_path: Path) -> Any:
 def v2(tmp_path: Path) -> Any:
     """A cgroup v2 memory directory as the kernel lays it out (tests/support.py)."""
     return MemoryCgroup(write_files(tmp_path / "v2" / "job-b", v2_files()), version=2)
+
+
+# --- markers: what a test does -------------------------------------------------------------
+
+# fixture -> the markers a test taking it gets
+_BY_FIXTURE = {
+    "redis_url": ("redis",),
+    "private_redis": ("redis", "processes"),
+    "make_cgroup": ("cgroup",),
+    "cgroup_root": ("cgroup",),
+    "page": ("browser",),
+    "browser": ("browser",),
+    "webhook_receiver": ("http",),
+}
+# a name in the test module's namespace -> the markers its tests get
+_BY_MODULE_NAME = {
+    "subprocess": ("processes",),
+    "start_serve": ("processes",),
+    "oomcast_cmd": ("processes",),
+    "torch": ("torch",),
+    "OnnxForecaster": ("model",),
+    "DEFAULT_MODEL": ("model",),
+    "SHIPPED_MODEL": ("model",),
+}
+
+
+def _markers_of(item: pytest.Item) -> set[str]:
+    names: set[str] = set()
+    for fixture in getattr(item, "fixturenames", ()):
+        names.update(_BY_FIXTURE.get(fixture, ()))
+    module = getattr(item, "module", None)
+    if isinstance(module, types.ModuleType):
+        space = vars(module)
+        for name, marks in _BY_MODULE_NAME.items():
+            value = space.get(name)
+            if value is not None and (name != "subprocess" or value is subprocess):
+                names.update(marks)
+    return names
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for name in sorted(_markers_of(item)):
+            item.add_marker(name)

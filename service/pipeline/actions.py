@@ -1,7 +1,7 @@
 """Carry out what an alert's rule says: notify, and ask the node to act.
 
-``Dispatcher.dispatch(alert, now)`` decides, for each of the rule's actions, what is done
-with the alert, and returns a ``Dispatched``: the audit record (the alert's payload with
+``Dispatcher.dispatch(alert, now)`` carries out what ``rules.acts`` decided for each of
+the rule's actions, and returns a ``Dispatched``: the audit record (the alert's payload with
 ``dispatched``, what was done, per action) and the signed node commands to write. It
 changes nothing it was given and holds no queue of its own: the ingest loop writes the
 commands in the same round trip as the records, so a command is never sent without its
@@ -28,11 +28,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from oomcast.model.control import DESTRUCTIVE_ACTIONS, new_command, node_key, sign_command
+from oomcast.model.control import new_command, node_key, sign_command
 from oomcast.model.wire import Keys
 from oomcast.service.delivery.outbox import Delivery, Outbox
 from oomcast.service.delivery.worker import Target, new_delivery
-from oomcast.service.pipeline.rules import NODE_ACTIONS, Alert, Rule
+from oomcast.service.pipeline.rules import NODE_ACTIONS, Act, Alert, Rule, acts
 
 log = logging.getLogger(__name__)
 
@@ -132,55 +132,30 @@ class Dispatcher:
     def _decide(
         self, alert: Alert, now: float
     ) -> tuple[dict[str, Any], tuple[NodeCommand, ...], list[str]]:
-        """Per action what is done; the commands to write; the targets it is owed to."""
+        """Per action what is done (``rules.acts`` decides); the commands to write; the
+        targets it is owed to."""
         done: dict[str, Any] = {}
         commands: list[NodeCommand] = []
         notify: list[str] = []
-        for action in alert.rule.actions:
-            if alert.suppressed:
-                done[action] = "suppressed"
-            elif alert.repeat and action not in NODE_ACTIONS:
-                done[action] = "n/a"  # receivers heard of the episode when it began
-            elif not self.configured(action):
-                done[action] = "not_configured"
-            elif action in NODE_ACTIONS:
-                done[action], command = self._command(action, alert, now)
-                if command is not None:
-                    commands.append(command)
-            elif action in alert.rule.dry_run:
-                done[action] = "dry_run"
+        for act in acts(alert, now, self.configured, self.stale_after_s):
+            if act.command:
+                done[act.action], command = self._command(act, alert, now)
+                commands.append(command)
             else:
-                done[action] = "owed"
-                notify.append(action)
+                done[act.action] = act.outcome
+                if act.owed:
+                    notify.append(act.action)
         return done, tuple(commands), notify
 
-    def _command(self, action: str, alert: Alert, now: float) -> tuple[Any, NodeCommand | None]:
-        """What the record says of a node action, and the signed command, if one is sent."""
-        if alert.status != "firing":
-            return "n/a", None  # a node action happens when an episode starts, not when it ends
-        if action in DESTRUCTIVE_ACTIONS and alert.unattested is not None:
-            return f"refused: {alert.unattested}", None
-        assert self.control_secret is not None
-        age = now - alert.observed_at
-        if age > self.stale_after_s:
-            # read late (a backlog, an outage): the node has moved on since this sample
-            return f"stale: forecast from a sample {age:.0f}s old, no command", None
-        params = dict(alert.rule.params.get(action) or {})
-        if action == "shed":
-            target = float(params.pop("target_frac", 0.85))
-            total, used = int(alert.total_bytes), int(alert.used_bytes)
-            if alert.repeat and used <= target * total:
-                return "n/a: already below target_frac", None
-            # free enough to bring the domain back under target_frac of its capacity, and
-            # at least a twentieth of it: the forecast says use is still rising
-            params["need_bytes"] = max(used - int(target * total), total // 20)
-            if params.get("priority") is None:
-                params.pop("priority", None)
+    def _command(self, act: Act, alert: Alert, now: float) -> tuple[Any, NodeCommand]:
+        """What the record says of a node action, and the signed command that carries it."""
+        assert self.control_secret is not None and act.params is not None
+        params = dict(act.params)
         payload = alert.to_payload()
-        dry_run = action in alert.rule.dry_run
+        dry_run = act.action in alert.rule.dry_run
         cmd = new_command(
             node=alert.node,
-            action=action,
+            action=act.action,
             device=alert.device,
             job=alert.job,
             params=params,
@@ -201,7 +176,7 @@ class Dispatcher:
             self.keys.control(alert.node),
             # each node's commands under its own key: a node's stolen key acts on it alone
             sign_command(cmd, node_key(self.control_secret, alert.node)),
-            action,
+            act.action,
             bool(cmd["dry_run"]),
         )
         return {"command_id": cmd["id"], "dry_run": cmd["dry_run"], "params": params}, signed

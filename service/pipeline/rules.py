@@ -15,8 +15,12 @@ domain it matches. Per rule and domain an ``Episode`` counts consecutive forecas
   actions (a ``repeat`` firing).
 
 Every decision is an ``Alert``, a frozen record whose ``to_payload()`` is the JSON the
-service emits (DESIGN.md, "Alerts"). The engine reads no clock: ``now`` (unix seconds) is an
-argument of every function that needs the time.
+service emits (DESIGN.md, "Alerts"). What is done with an alert, per action of its rule
+(owed to a receiver, a node command with its parameters, or why not: suppressed, n/a,
+not configured, dry run, refused on unattested evidence, stale), is decided here too
+(``acts``); ``service/pipeline/actions.py`` only carries that out (signs the commands, owes
+the deliveries). The engine reads no clock: ``now`` (unix seconds) is an argument of every
+function that needs the time.
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
+from oomcast.model.control import DESTRUCTIVE_ACTIONS
 from oomcast.model.forecast import HORIZONS_S, Forecast
 from oomcast.model.schema import Sample
 
@@ -460,3 +465,75 @@ def end_episode(
         alert = _alert("resolved", rule, ep, sample, fc, job=job, reason=reason, now=now)
     ep.reset(forget_cooldown=new_job)
     return alert
+
+
+# --- what is done with an alert ------------------------------------------------------------
+
+SHED_TARGET_FRAC = 0.85  # shed down to this share of the capacity unless the rule says
+
+
+@dataclass(frozen=True)
+class Act:
+    """What is done with one action of an alert's rule: ``outcome`` is what the audit
+    record's ``dispatched`` says (``owed``, ``command``, ``dry_run``, ``suppressed``,
+    ``not_configured``, ``n/a...``, ``refused: ...``, ``stale: ...``); a node command
+    carries its ``params``."""
+
+    action: str
+    outcome: str
+    params: Mapping[str, Any] | None = None
+
+    @property
+    def owed(self) -> bool:
+        return self.outcome == "owed"
+
+    @property
+    def command(self) -> bool:
+        return self.outcome == "command"
+
+
+def acts(
+    alert: Alert, now: float, configured: Callable[[str], bool], stale_after_s: float
+) -> list[Act]:
+    """Per action of the alert's rule, in the rule's order, what is done with the alert.
+    ``configured(action)`` says whether the service can carry the action out (a receiver
+    URL, the control secret); ``stale_after_s`` bounds the age of the sample a node command
+    may act on."""
+    out: list[Act] = []
+    for action in alert.rule.actions:
+        if alert.suppressed:
+            out.append(Act(action, "suppressed"))
+        elif alert.repeat and action not in NODE_ACTIONS:
+            out.append(Act(action, "n/a"))  # receivers heard of the episode when it began
+        elif not configured(action):
+            out.append(Act(action, "not_configured"))
+        elif action in NODE_ACTIONS:
+            out.append(_node_act(action, alert, now, stale_after_s))
+        elif action in alert.rule.dry_run:
+            out.append(Act(action, "dry_run"))
+        else:
+            out.append(Act(action, "owed"))
+    return out
+
+
+def _node_act(action: str, alert: Alert, now: float, stale_after_s: float) -> Act:
+    if alert.status != "firing":
+        return Act(action, "n/a")  # a node action happens when an episode starts, not ends
+    if action in DESTRUCTIVE_ACTIONS and alert.unattested is not None:
+        return Act(action, f"refused: {alert.unattested}")
+    age = now - alert.observed_at
+    if age > stale_after_s:
+        # read late (a backlog, an outage): the node has moved on since this sample
+        return Act(action, f"stale: forecast from a sample {age:.0f}s old, no command")
+    params = dict(alert.rule.params.get(action) or {})
+    if action == "shed":
+        target = float(params.pop("target_frac", SHED_TARGET_FRAC))
+        total, used = int(alert.total_bytes), int(alert.used_bytes)
+        if alert.repeat and used <= target * total:
+            return Act(action, "n/a: already below target_frac")
+        # free enough to bring the domain back under target_frac of its capacity, and at
+        # least a twentieth of it: the forecast says use is still rising
+        params["need_bytes"] = max(used - int(target * total), total // 20)
+        if params.get("priority") is None:
+            params.pop("priority", None)
+    return Act(action, "command", params)

@@ -180,9 +180,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         shapes=args.shapes,
         nvml_views=not args.no_nvml_views,
     )
+    if args.init_from and not Path(args.init_from).is_file():
+        raise UsageError(f"--init-from {args.init_from}: no such checkpoint")
     train(
         sources,
         args.out,
+        init_from=args.init_from,
+        lr=args.lr,
         epochs=args.epochs,
         seed=args.seed,
         max_minutes=args.max_minutes,
@@ -362,6 +366,13 @@ def add_parsers(sub: Any) -> None:
         " is also shown as NVML alone sees it, without allocator figures)",
     )
     t.add_argument("--max-minutes", type=float, default=30.0, help="default %(default)s")
+    t.add_argument(
+        "--init-from",
+        help="go on from this checkpoint's weights (a run of the same network and features)",
+    )
+    t.add_argument(
+        "--lr", type=float, default=3e-3, help="learning rate (lower it with --init-from)"
+    )
     t.add_argument("--seed", type=int, default=0, help="random seed")
     t.set_defaults(func=cmd_train)
 

@@ -48,9 +48,13 @@ BINS_S: tuple[int, ...] = (5, 10, 15, 20, 25, 30, 35, 40, 50, 60, 75, 90, 120, 1
 GATE_GROWTH_S = 30.0  # growth beyond noise needed before the gate opens
 BRINK_LEVEL = 0.98
 RETRIES_LEVEL = 0.9
+# A climb that is slowing down towards a level this far below the limit (or further) is a
+# start-up or a cache filling, not a leak: the gate stays shut until the brink.
+PLATEAU_MARGIN = 0.03
 _AGE = FEATURES.index("log1p_growth_age_s")
 _TTL_LO = FEATURES.index("time_to_limit_lo")
 _RETRIES = FEATURES.index("log1p_retries_per_min")
+_PLATEAU = FEATURES.index("plateau_headroom")
 _TTL = [FEATURES.index(f) for f in ("time_to_limit", "time_to_limit_lo", "time_to_limit_hi")]
 _LOG_CAP = math.log1p(3600.0)  # the squashing of times (model/growth.py squash_s)
 
@@ -212,10 +216,13 @@ def median_time(log_s_bins: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
 def evidence_gate(x: torch.Tensor, horizons_s: tuple[int, ...]) -> torch.Tensor:
     """1 where a horizon may carry risk, from the raw features x (..., features): growth
     beyond noise for ``GATE_GROWTH_S`` with the earliest projected time to the limit within
-    the horizon, or the brink (level at 98%, or allocation retries climbing above 90%).
+    the horizon, unless the climb is slowing down towards a level ``PLATEAU_MARGIN`` or more
+    below the limit; or the brink (level at 98%, or allocation retries climbing above 90%).
     Returns (..., horizons) of 0.0 / 1.0."""
     level = x[..., LEVEL]
-    grown = x[..., _AGE] >= math.log1p(GATE_GROWTH_S) - 1e-4
+    grown = (x[..., _AGE] >= math.log1p(GATE_GROWTH_S) - 1e-4) & (
+        x[..., _PLATEAU] < PLATEAU_MARGIN
+    )
     brink = (level >= BRINK_LEVEL) | ((x[..., _RETRIES] > 0.05) & (level >= RETRIES_LEVEL))
     limits = torch.tensor([squash_s(h) for h in horizons_s], dtype=x.dtype)
     inside = x[..., _TTL_LO].unsqueeze(-1) <= limits + 1e-6

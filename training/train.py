@@ -113,9 +113,10 @@ def score_rules(
     max_false_alarms: float = 0.02,
     max_near_warned: float = 0.5,
 ) -> list[ScoredRule]:
-    """For every horizon, the lowest risk that alerts on at most ``max_false_alarms`` of the
-    ordinary runs of *every* group and on at most ``max_near_warned`` of the near misses,
-    and what it buys on the long OOMs, counted as ``oomcast evaluate`` counts them (the
+    """For every horizon, a risk that alerts on at most ``max_false_alarms`` of the ordinary
+    runs of *every* group and on at most ``max_near_warned`` of the near misses (the lowest
+    such, raised as far as it catches the same long OOMs: ``margin_threshold``), and what it
+    buys on the long OOMs, counted as ``oomcast evaluate`` counts them (the
     first tick at the risk is the alert; an alert in a censored run's last minute is
     neither a hit nor a false alarm). Thresholds are read off the runs' own highest risks,
     so the answer is exact whatever the scale of the risks."""
@@ -142,7 +143,7 @@ def score_rules(
             allowed = int(np.floor(share * len(ids) + 0.5))
             if allowed < len(highs):
                 fire_risk = max(fire_risk, float(highs[allowed]) + 1e-6)
-        fire_risk = min(fire_risk, 1.0)
+        fire_risk = margin_threshold(seqs, risks, long_ooms, k, min(fire_risk, 1.0))
         per_group = {g: sum(top(i) >= fire_risk for i in ids) / len(ids)
                      for g, ids in groups.items()}  # fmt: skip
         warned_near = sum(top(i) >= fire_risk for i in near) / len(near) if near else 0.0
@@ -161,6 +162,26 @@ def score_rules(
                                 max(per_group.values(), default=0.0), 1, warned_near,
                                 figures))  # fmt: skip
     return rules
+
+
+def margin_threshold(
+    seqs: list[Sequence], risks: list[np.ndarray], long_ooms: list[int], k: int, lowest: float
+) -> float:
+    """The threshold with a margin on both sides: ``lowest`` is the least risk that keeps to
+    the false-alarm ceilings, so a healthy run a little unlike the validation runs alerts
+    there; the highest risk that still catches, 30 s and 10 s ahead, every long OOM that
+    ``lowest`` catches is as far as it can rise for free. Halfway between the two (the
+    geometric mean: risks span decades) keeps most of that room on either side."""
+    edges = []
+    for i in long_ooms:
+        lead, r = seqs[i].tto, risks[i][:, k]
+        for need in (30.0, 10.0):
+            ahead = r[lead >= need]
+            best = float(ahead.max()) if len(ahead) else 0.0
+            if best >= lowest:
+                edges.append(best)
+    highest = min(edges, default=lowest)
+    return float(np.sqrt(lowest * highest)) if highest > lowest else lowest
 
 
 def first_run(fired: np.ndarray, n: int) -> int | None:

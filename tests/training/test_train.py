@@ -3,6 +3,7 @@ reproducibility."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,28 +76,33 @@ def _risks(columns: list[list[float]]) -> np.ndarray:
     return np.repeat(np.asarray(columns, dtype=np.float64)[:, None], 6, axis=1)
 
 
-def test_score_rules_picks_the_lowest_threshold_within_the_false_alarm_ceiling() -> None:
+def test_score_rules_keeps_to_the_ceiling_with_a_margin_on_both_sides() -> None:
     inf = float("inf")
     oom = seq([60, 40, 20, 5], True)
     oks = [seq([inf] * 4, False) for _ in range(4)]
     risks = [_risks([0.2, 0.4, 0.6, 0.8])]
     risks += [_risks([0.0, peak, 0.0, 0.0]) for peak in (0.1, 0.3, 0.5, 0.7)]
     seqs = [oom, *oks]
-    for ceiling, threshold, fa, r30, r10 in (
-        (0.0, 0.7, 0.0, 0.0, 0.0),  # above every quiet run: fires 5 s before, too late
-        (0.25, 0.5, 0.25, 0.0, 1.0),  # one quiet run in four may alert: 20 s before
-        (0.5, 0.3, 0.5, 1.0, 1.0),  # two in four: 40 s before
+    # (ceiling, the lowest threshold within it, the one chosen, false alarms, recall 30/10):
+    # the lowest sits on a quiet run; the chosen one is raised halfway (geometric) to the
+    # least risk that still catches, as far ahead, every OOM the lowest catches
+    for ceiling, lowest, chosen, fa, r30, r10 in (
+        (0.0, 0.7, 0.7, 0.0, 0.0, 0.0),  # above every quiet run: fires 5 s before, too late
+        (0.25, 0.5, math.sqrt(0.5 * 0.6), 0.25, 0.0, 1.0),  # one quiet run in four: 20 s
+        (0.5, 0.3, math.sqrt(0.3 * 0.4), 0.5, 1.0, 1.0),  # two in four: 40 s before
     ):
         rules = score_rules(seqs, risks, ceiling)
         assert [r.horizon_s for r in rules] == list(HORIZONS_S)  # one rule per horizon
         for r in rules:
-            assert r.fire_risk == pytest.approx(threshold, abs=2e-6), ceiling
-            assert r.fire_risk > threshold  # strictly above the quiet run it must not fire on
+            assert r.fire_risk == pytest.approx(chosen, abs=2e-6), ceiling
+            assert r.fire_risk > lowest  # strictly above the quiet run it must not fire on
             assert (r.false_alarm_rate, r.recall_30, r.recall_10) == (fa, r30, r10), ceiling
             assert r.fire_after == 1
-    # quiet runs that never rise: the floor, not zero (a risk of 0.001 is noise)
+    # quiet runs that never rise: from the floor (a risk of 0.001 is noise), not zero,
+    # halfway up to the OOM's 0.4 forty seconds ahead
     flat = score_rules([oom, *oks], [risks[0]] + [_risks([0.0] * 4)] * 4, 0.0)
-    assert all(r.fire_risk == train_module.MIN_THRESHOLD for r in flat)
+    floor = train_module.MIN_THRESHOLD
+    assert all(r.fire_risk == pytest.approx(math.sqrt(floor * 0.4), abs=2e-6) for r in flat)
     assert all(r.recall_30 == 1.0 for r in flat)
     # each horizon reads its own column
     per_h = [np.zeros((4, 6)) for _ in seqs]
@@ -115,7 +121,9 @@ def test_the_false_alarm_ceiling_holds_on_every_source() -> None:
     risks = [_risks([0.0, 0.8, 0.0]), _risks([0.0] * 3)] + [_risks([0.0, 0.1, 0.0])] * 6
     risks += [_risks([0.5, 0.9, 0.9])]
     (rule, *_) = score_rules(seqs, risks, 0.2)
-    assert rule.fire_risk == pytest.approx(0.8, abs=2e-6) and rule.false_alarm_rate == 0.0
+    # just above 0.8, raised halfway to the 0.9 that warns the OOM 20 s ahead
+    assert rule.fire_risk == pytest.approx(math.sqrt(0.8 * 0.9), abs=2e-6)
+    assert rule.false_alarm_rate == 0.0
     assert (rule.recall_30, rule.recall_10) == (0.0, 1.0)
     # where no threshold can keep a source quiet (a run at risk 1), the rate reported is
     # that source's, not the pooled one
@@ -134,8 +142,8 @@ def test_rules_leave_censored_alerts_out_and_warn_at_most_half_the_near_misses()
              _risks([0.0, 0.5, 0.0, 0.0]), _risks([0.0, 0.3, 0.0, 0.0])]  # fmt: skip
     rule = score_rules([oom, late, *near], risks, 0.0)[0]
     # the censored alert (0.9 in the last minute) sets nothing; one near miss of two may
-    # be warned, so the threshold sits just above the other one
-    assert rule.fire_risk == pytest.approx(0.3, abs=2e-6)
+    # be warned, so the threshold sits above the other one (0.3), halfway to the OOM's 0.4
+    assert rule.fire_risk == pytest.approx(math.sqrt(0.3 * 0.4), abs=2e-6)
     assert rule.near_miss_warned == 0.5 and rule.false_alarm_rate == 0.0
     assert rule.recall_30 == 1.0
     assert rule.figures["near_misses"] == 2 and rule.figures["long_ooms"] == 1
@@ -363,6 +371,20 @@ def test_cli_train_refuses_a_folder_without_splits(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "not a folder of traces" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_cli_train_refuses_a_missing_checkpoint_to_go_on_from(data: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "nope.pt"
+    done = subprocess.run(
+        oomcast_cmd("train", "--data", str(data), "--init-from", str(missing),
+                    "--out", str(tmp_path / "o")),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert f"--init-from {missing}: no such checkpoint" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "o").exists()
 
 
 def test_training_can_go_on_from_an_earlier_checkpoint(

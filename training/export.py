@@ -21,7 +21,13 @@ import torch
 
 from oomcast.model.embedding import FEATURES
 from oomcast.model.forecast import rule_fire_risk
-from oomcast.model.network import BRINK_LEVEL, GATE_GROWTH_S, RETRIES_LEVEL, SequenceModule
+from oomcast.model.network import (
+    BRINK_LEVEL,
+    GATE_GROWTH_S,
+    PLATEAU_MARGIN,
+    RETRIES_LEVEL,
+    SequenceModule,
+)
 from oomcast.training.train import load_checkpoint
 
 
@@ -73,7 +79,12 @@ def export(
         "oomcast.tto_min_risk": str(min(0.5, rule_fire_risk(ckpt["rule"]))),
         "oomcast.bins_s": json.dumps(list(cfg.bins_s)),
         "oomcast.gate": json.dumps(
-            {"growth_s": GATE_GROWTH_S, "brink_level": BRINK_LEVEL, "retries_level": RETRIES_LEVEL}
+            {
+                "growth_s": GATE_GROWTH_S,
+                "plateau_margin": PLATEAU_MARGIN,
+                "brink_level": BRINK_LEVEL,
+                "retries_level": RETRIES_LEVEL,
+            }
         ),
         # the validation figures that chose the rule: per group, what it alerts on
         "oomcast.rule_validation": json.dumps(ckpt.get("rule_figures", {})),

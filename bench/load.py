@@ -18,6 +18,7 @@ from oomcast.bench.procs import read_status
 from oomcast.model.control import node_key
 from oomcast.model.embedding import EMBEDDING_VERSION, EmbeddingState
 from oomcast.model.schema import Sample
+from oomcast.model.text import as_str
 from oomcast.model.wire import answer, encode_samples, sample_payload
 
 GPUS_PER_NODE = 8
@@ -153,7 +154,7 @@ def group_progress(
             lag += int(answer(client.xlen(stream)))
             continue
         for g in groups:
-            name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
+            name = as_str(g["name"])
             if name == group:
                 entries_read = int(g.get("entries-read") or 0)
                 read += entries_read

@@ -1,5 +1,6 @@
 """The real processes the benches, the demo and the tests start: a private ``redis-server``
-(``RedisServer``, the one place one is started), ``oomcast serve`` replicas and ``oomcast
+(``RedisServer``: every single server; ``local_cluster.py`` starts the nodes of a Redis
+Cluster), ``oomcast serve`` replicas and ``oomcast
 collect`` agents, each in a process group of its own so that a kill reaches everything it
 started, and every one of them torn down on the way out; and the two helpers everything
 that waits on a process uses (``free_port``, ``wait_until``).
@@ -55,7 +56,7 @@ def wait_until(
     predicate: Callable[[], bool], timeout_s: float = 20.0, interval_s: float = POLL_S
 ) -> bool:
     """Poll ``predicate`` until it is true (True) or ``timeout_s`` passes (False): the one
-    wait the benches, the demo and the tests use (no test sleeps for a fixed time)."""
+    wait the tests and the benches use (no test sleeps for a fixed time)."""
     deadline = time.monotonic() + timeout_s
     while True:
         if predicate():
@@ -132,10 +133,16 @@ class RedisServer:
     reloads it); without, it keeps everything in memory, so that what a bench times is
     oomcast, not this machine's disk. Started through ``procs`` (logged, and killed with
     everything else the bench started) or on its own, in a session of its own (Ctrl-C is
-    for the caller, which stops this server last)."""
+    for the caller, which stops this server last; ``own_session=False`` lets a terminal's
+    Ctrl-C reach it too, as the tests want, so an interrupted run leaves none behind)."""
 
     def __init__(
-        self, procs: Procs | None, data_dir: Path, persist: bool = True, port: int | None = None
+        self,
+        procs: Procs | None,
+        data_dir: Path,
+        persist: bool = True,
+        port: int | None = None,
+        own_session: bool = True,
     ) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
@@ -147,6 +154,7 @@ class RedisServer:
         self.procs = procs
         self.dir = data_dir
         self.persist = persist
+        self.own_session = own_session
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -182,30 +190,40 @@ class RedisServer:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
-                start_new_session=True,
+                start_new_session=self.own_session,
             )
         proc = self.proc
         if not wait_until(lambda: self.answers() or proc.poll() is not None, timeout_s) or (
             proc.poll() is not None
         ):
             self.kill()
-            raise FaultBenchError(f"{self.exe} did not answer on port {self.port}")
+            where = f" (see {self.dir / 'redis.log'})" if self.procs is not None else ""
+            raise FaultBenchError(f"{self.exe} did not answer on port {self.port}{where}")
         return self
+
+    def _signal(self, sig: int) -> None:
+        assert self.proc is not None
+        if self.procs is not None or self.own_session:
+            Procs.kill(self.proc, sig)  # its process group: what it started goes too
+        elif self.proc.poll() is None:
+            self.proc.send_signal(sig)  # it shares the caller's group: signal it alone
+            if sig == signal.SIGKILL:
+                self.proc.wait(10)
 
     def kill(self) -> None:
         """SIGKILL: a crash."""
         if self.proc is not None:
-            Procs.kill(self.proc)
+            self._signal(signal.SIGKILL)
             self.proc = None
 
     def stop(self) -> None:
         """SIGTERM, as an operator stops it (a SIGKILL if it does not end in 10 s)."""
         if self.proc is not None:
-            Procs.kill(self.proc, signal.SIGTERM)
+            self._signal(signal.SIGTERM)
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
-                Procs.kill(self.proc)
+                self._signal(signal.SIGKILL)
             self.proc = None
 
     def __enter__(self) -> RedisServer:

@@ -35,7 +35,7 @@ EXTRAS = {
     "pydantic": "collector",
     "pydantic_settings": "collector",
     "httpx": "service",
-    "prometheus_client": "service",
+    "prometheus_client": "collector",  # in the service extra too; this one is lighter
     "yaml": "service",
     "pynvml": "collector",
     "rich": "demo",

@@ -30,9 +30,9 @@ import numpy as np
 from oomcast.model.schema import Sample
 
 FRAG_SHARE = 0.15  # (reserved - allocated) / reserved above which the cache is fragmented
-NEAR_LIMIT = 0.75  # reserved / total from which fragmentation can cause the OOM (an alert
-# fires well before the last few percent: at 75% reserved a third of it cached and free is
-# already what the next large request cannot use)
+NEAR_LIMIT = 0.5  # reserved / total from which fragmentation can cause the OOM (an alert
+# fires minutes ahead, often with the GPU half full: from there a third of the reserve
+# cached and free is what the growth to come cannot use)
 MIN_POINTS = 8  # history points needed to judge a shape
 MIN_SPAN_S = 10.0  # seconds of history needed to judge a shape
 STEPPY = 0.6  # share of the rise made by the few largest jumps that makes it "in steps"

@@ -14,9 +14,10 @@ this module asks a forecaster what it has.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -148,25 +149,37 @@ class EmbeddingForecaster(Protocol):
     embedding_version: int
 
 
+@functools.cache
+def _class_has(cls: type, ability: type) -> bool:
+    """Whether instances of ``cls`` have ``ability`` (a protocol of methods), decided once
+    per class: a protocol ``isinstance`` costs microseconds, and snapshots ask it for every
+    domain. Abilities are declared by the class, not added to one instance."""
+    return issubclass(cls, ability)
+
+
+def _has(forecaster: Forecaster, ability: type) -> bool:
+    return _class_has(type(forecaster), ability)
+
+
 def export_state(forecaster: Forecaster, state: Any) -> dict[str, Any] | None:
     """The domain's state as JSON-able values; None when the forecaster cannot save it."""
-    if not isinstance(forecaster, SnapshotForecaster):
+    if not _has(forecaster, SnapshotForecaster):
         return None
-    return forecaster.export_state(state)
+    return cast(SnapshotForecaster, forecaster).export_state(state)
 
 
 def import_state(forecaster: Forecaster, data: Mapping[str, Any] | None) -> Any:
     """A state restored from ``export_state``'s values, or a fresh one where there are none
     or the forecaster cannot restore them. ValueError when ``data`` is malformed."""
-    if data is None or not isinstance(forecaster, SnapshotForecaster):
+    if data is None or not _has(forecaster, SnapshotForecaster):
         return forecaster.init_state()
-    return forecaster.import_state(data)
+    return cast(SnapshotForecaster, forecaster).import_state(data)
 
 
 def release_state(forecaster: Forecaster, state: Any) -> None:
     """Give a domain's state back (the ONNX forecaster keeps states in reusable slots)."""
-    if isinstance(forecaster, SlotForecaster):
-        forecaster.release(state)
+    if _has(forecaster, SlotForecaster):
+        cast(SlotForecaster, forecaster).release(state)
 
 
 def step_arrays(
@@ -177,8 +190,8 @@ def step_arrays(
 ) -> tuple[list[Forecast], npt.NDArray[np.float32], list[float | None]]:
     """``step``, and the batch as arrays (see ``BatchForecaster``): the forecaster's own
     where it has them, else built from its forecasts."""
-    if isinstance(forecaster, BatchForecaster):
-        return forecaster.step_arrays(states, samples, embeddings)
+    if _has(forecaster, BatchForecaster):
+        return cast(BatchForecaster, forecaster).step_arrays(states, samples, embeddings)
     forecasts = forecaster.step(states, samples, embeddings)
     risk = np.asarray(
         [[fc.risk_at(h) for h in forecaster.horizons_s] for fc in forecasts], np.float32
@@ -191,8 +204,8 @@ def forecast_window(forecaster: Forecaster, samples: list[Sample]) -> Forecast:
     as a live domain is (live state is not touched). ValueError for an empty window."""
     if not samples:
         raise ValueError("a window needs at least one sample")
-    if isinstance(forecaster, WindowForecaster):
-        return forecaster.window_last(samples)
+    if _has(forecaster, WindowForecaster):
+        return cast(WindowForecaster, forecaster).window_last(samples)
     state = forecaster.init_state()
     try:
         forecast = None

@@ -16,13 +16,13 @@ answers several requests) once the job has saved, or failed to (:func:`ack_extra
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from oomcast.model.schema import SchemaError, decode_json
+from oomcast.model.text import compact_json
 
 CHECKPOINT = "checkpoint"  # the one action a job's hook takes today
 CHECKPOINT_REQUESTED = "checkpoint_requested"
@@ -55,7 +55,7 @@ def encode_jobctl(
     cmd: dict[str, str] = {"action": action, "id": id or new_request_id()}
     if reason is not None:
         cmd["reason"] = reason
-    return {"cmd": json.dumps(cmd, separators=(",", ":"))}
+    return {"cmd": compact_json(cmd)}
 
 
 def parse_jobctl(fields: Mapping[Any, Any]) -> JobCommand:

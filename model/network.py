@@ -220,9 +220,7 @@ def evidence_gate(x: torch.Tensor, horizons_s: tuple[int, ...]) -> torch.Tensor:
     below the limit; or the brink (level at 98%, or allocation retries climbing above 90%).
     Returns (..., horizons) of 0.0 / 1.0."""
     level = x[..., LEVEL]
-    grown = (x[..., _AGE] >= math.log1p(GATE_GROWTH_S) - 1e-4) & (
-        x[..., _PLATEAU] < PLATEAU_MARGIN
-    )
+    grown = (x[..., _AGE] >= math.log1p(GATE_GROWTH_S) - 1e-4) & (x[..., _PLATEAU] < PLATEAU_MARGIN)
     brink = (level >= BRINK_LEVEL) | ((x[..., _RETRIES] > 0.05) & (level >= RETRIES_LEVEL))
     limits = torch.tensor([squash_s(h) for h in horizons_s], dtype=x.dtype)
     inside = x[..., _TTL_LO].unsqueeze(-1) <= limits + 1e-6

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import math
 import os
 import re
@@ -43,6 +42,7 @@ from oomcast.model.schema import (
     parse_sample,
 )
 from oomcast.model.signing import sign, verify
+from oomcast.model.text import compact_json
 
 ENTRY_VERSION = "1"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"  # every process's default; OOMCAST_REDIS_URL
@@ -155,7 +155,7 @@ def encode_samples(
         "v": ENTRY_VERSION,
         "node": node,
         "n": str(len(payloads)),
-        "samples": json.dumps(payloads, separators=(",", ":")),
+        "samples": compact_json(payloads),
     }
     if key is not None:
         data = _attested_bytes(node.encode("utf-8"), fields["samples"].encode("utf-8"))
@@ -192,7 +192,7 @@ def entry_attested(fields: Mapping[Any, Any], key_for_node: Callable[[str], str 
 
 
 def encode_event(event: Event) -> dict[str, str]:
-    return {"v": ENTRY_VERSION, "event": json.dumps(event.to_dict(), separators=(",", ":"))}
+    return {"v": ENTRY_VERSION, "event": compact_json(event.to_dict())}
 
 
 def _text(fields: Mapping[Any, Any], key: str) -> str | None:

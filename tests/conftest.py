@@ -12,7 +12,7 @@ selects what needs the Redis server."""
 from __future__ import annotations
 
 import os
-import subprocess
+import sys
 import types
 import uuid
 from collections.abc import Callable, Iterator
@@ -124,35 +124,62 @@ def v2(tmp_path: Path) -> Any:
 _BY_FIXTURE = {
     "redis_url": ("redis",),
     "private_redis": ("redis", "processes"),
+    "cluster": ("redis", "processes"),  # a local Redis Cluster (tests/cluster_support.py)
     "make_cgroup": ("cgroup",),
     "cgroup_root": ("cgroup",),
     "page": ("browser",),
     "browser": ("browser",),
     "webhook_receiver": ("http",),
 }
-# a name in the test module's namespace -> the markers its tests get
-_BY_MODULE_NAME = {
+# a global name a test uses, itself or through the module's helpers -> its markers
+_BY_NAME = {
     "subprocess": ("processes",),
     "start_serve": ("processes",),
+    "start_serve_logged": ("processes",),
     "oomcast_cmd": ("processes",),
+    "RedisServer": ("redis", "processes"),
+    "LocalCluster": ("redis", "processes"),
     "torch": ("torch",),
     "OnnxForecaster": ("model",),
     "DEFAULT_MODEL": ("model",),
     "SHIPPED_MODEL": ("model",),
+    "create_app": ("model",),  # the app loads the shipped model unless told otherwise
 }
+
+
+def _names_used(fn: Any, space: dict[str, Any], depth: int = 3) -> set[str]:
+    """The global names ``fn`` uses, with those of the module's own functions it calls (to
+    ``depth`` levels) and of the functions and classes nested in it."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return set()
+    seen: set[str] = set()
+    todo = [code]
+    while todo:
+        c = todo.pop()
+        seen.update(c.co_names)
+        todo.extend(k for k in c.co_consts if isinstance(k, type(code)))
+    if depth > 0:
+        for name in list(seen):
+            helper = space.get(name)
+            if callable(helper) and getattr(helper, "__module__", None) == space.get("__name__"):
+                seen |= _names_used(helper, space, depth - 1)
+    return seen
 
 
 def _markers_of(item: pytest.Item) -> set[str]:
     names: set[str] = set()
     for fixture in getattr(item, "fixturenames", ()):
         names.update(_BY_FIXTURE.get(fixture, ()))
-    module = getattr(item, "module", None)
-    if isinstance(module, types.ModuleType):
-        space = vars(module)
-        for name, marks in _BY_MODULE_NAME.items():
-            value = space.get(name)
-            if value is not None and (name != "subprocess" or value is subprocess):
-                names.update(marks)
+    functions = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)  # the fixtures' own code says what they start
+    for defs in info.name2fixturedefs.values() if info is not None else ():
+        functions += [d.func for d in defs]
+    for fn in functions:
+        module = sys.modules.get(getattr(fn, "__module__", "") or "")
+        if fn is not None and isinstance(module, types.ModuleType):
+            for name in _names_used(fn, vars(module)):
+                names.update(_BY_NAME.get(name, ()))
     return names
 
 

@@ -10,14 +10,13 @@ import math
 import os
 import random
 import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from oomcast.bench.procs import RedisServer
+from oomcast.bench.procs import RedisServer, oomcast_argv
 from oomcast.bench.procs import free_port as free_port  # re-exported: tests take it from here
 from oomcast.bench.procs import wait_until as wait_until
 from oomcast.model.schema import Event, Record, Sample
@@ -175,7 +174,8 @@ def open_fds(under: Path) -> int:
 
 
 def oomcast_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "oomcast.cli.main", *args]
+    """How a test runs an ``oomcast`` subcommand: as the benches do (``oomcast_argv``)."""
+    return oomcast_argv(*args)
 
 
 def start_serve(env: dict[str, str], port: int) -> subprocess.Popen[bytes]:
@@ -207,7 +207,7 @@ class PrivateRedis(RedisServer):
     stop and restart (``bench/procs.py``'s, the one every part starts)."""
 
     def __init__(self, tmp: Path) -> None:
-        super().__init__(None, tmp, persist=False)
+        super().__init__(None, tmp, persist=False, own_session=False)
 
 
 class WebhookReceiver:

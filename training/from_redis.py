@@ -22,6 +22,7 @@ from pathlib import Path
 import redis
 
 from oomcast.model.schema import Domain, Event, Record, Sample, SchemaError
+from oomcast.model.text import as_str
 from oomcast.model.trace import write_trace
 from oomcast.model.wire import Keys, answer, decode_event, decode_samples
 
@@ -55,7 +56,7 @@ def _entries(
             # decode as a skipped entry
             yield fields if fields is not None else {}
         last = batch[-1][0]
-        low = "(" + (last.decode() if isinstance(last, bytes) else str(last))
+        low = "(" + as_str(last)
 
 
 def nodes_seen(client: redis.Redis, keys: Keys, last: int = 200, most: int = 20) -> list[str]:

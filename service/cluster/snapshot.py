@@ -40,6 +40,7 @@ from oomcast.model.embedding import EMBEDDING_VERSION, sample_dict
 from oomcast.model.forecast import Forecast, Forecaster, export_state, import_state
 from oomcast.model.phase import PhaseState
 from oomcast.model.schema import Domain, parse_sample
+from oomcast.model.text import compact_json
 from oomcast.service.cluster.leases import lease_key
 from oomcast.service.pipeline.history import History
 from oomcast.service.pipeline.rules import Episode
@@ -295,7 +296,7 @@ RESTORE_CHUNK = 100  # domains restored between two yields to the event loop
 
 
 def field_of(domain: Domain) -> str:
-    return json.dumps(list(domain), separators=(",", ":"))
+    return compact_json(list(domain))
 
 
 @dataclass

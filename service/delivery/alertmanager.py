@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import time
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from oomcast.model.text import compact_json
 from oomcast.service.delivery.outbox import Delivery, Outbox
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class AlertmanagerTarget:
         return list(self._firing)
 
     def order_key(self, payload: Mapping[str, Any]) -> str:
-        return json.dumps(list(alert_key(payload)), separators=(",", ":"))
+        return compact_json(list(alert_key(payload)))
 
     def owed(self, delivery: Delivery) -> None:
         """A firing alert is kept alive from now on, until its resolve is owed."""
@@ -276,7 +276,7 @@ class AlertmanagerTarget:
         }
         if self.generator_url:
             alert["generatorURL"] = self.generator_url
-        return json.dumps([alert], separators=(",", ":")).encode()
+        return compact_json([alert]).encode()
 
     def request(self, delivery: Delivery, now: float) -> tuple[str, bytes, dict[str, str]]:
         # built anew for each attempt: a firing's endsAt moves on

@@ -10,11 +10,11 @@ sends the same bytes.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
 from oomcast.model.signing import sign, verify
+from oomcast.model.text import compact_json
 from oomcast.service.delivery.outbox import Delivery
 
 SIGNATURE_HEADER = "X-Oomcast-Signature"
@@ -44,7 +44,7 @@ class WebhookTarget:
 
     def body(self, delivery: Delivery) -> bytes:
         payload = {**delivery.payload, "delivery_id": delivery.id}
-        return json.dumps(payload, separators=(",", ":")).encode()
+        return compact_json(payload).encode()
 
     def request(self, delivery: Delivery, now: float) -> tuple[str, bytes, dict[str, str]]:
         body = self.body(delivery)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
 import socket
@@ -34,6 +33,7 @@ from typing import Any, Protocol
 import httpx
 from redis.exceptions import RedisError
 
+from oomcast.model.text import compact_json
 from oomcast.service.delivery.outbox import Claimed, Delivery, Health, Outbox, delivery_id
 
 log = logging.getLogger(__name__)
@@ -314,7 +314,7 @@ class DeliveryWorker:
         record = audit_record(d, outcome, progress.attempts, progress.last_error, now)
         await self.outbox.client.xadd(
             self.audit_stream,
-            {"alert": json.dumps(record, separators=(",", ":"))},
+            {"alert": compact_json(record)},
             maxlen=self.audit_maxlen,
             approximate=True,
         )

@@ -16,7 +16,8 @@ become signed commands (``model/control.py``) on the node's control stream.
 
 Per action, ``dispatched`` says ``owed`` (a delivery is in the outbox; its end appears in
 the audit stream as a ``delivery`` record), ``command`` (with its id), ``dry_run``,
-``suppressed`` (cooldown), ``not_configured``, ``n/a`` or ``stale``. A rule in dry-run
+``suppressed`` (cooldown), ``not_configured``, ``n/a``, ``refused`` (a destructive action
+on unattested evidence) or ``stale``. A rule in dry-run
 sends nothing to receivers; its node actions are still sent, flagged dry-run, so the agent
 can say what it would have done (whom it would have shed).
 """

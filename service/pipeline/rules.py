@@ -475,9 +475,10 @@ SHED_TARGET_FRAC = 0.85  # shed down to this share of the capacity unless the ru
 @dataclass(frozen=True)
 class Act:
     """What is done with one action of an alert's rule: ``outcome`` is what the audit
-    record's ``dispatched`` says (``owed``, ``command``, ``dry_run``, ``suppressed``,
-    ``not_configured``, ``n/a...``, ``refused: ...``, ``stale: ...``); a node command
-    carries its ``params``."""
+    record's ``dispatched`` says of it (``owed``, ``dry_run``, ``suppressed``,
+    ``not_configured``, ``n/a...``, ``refused: ...``, ``stale: ...``), or ``command``: a
+    node command is sent with ``params``, and the record then holds its id, dry-run flag
+    and parameters."""
 
     action: str
     outcome: str

@@ -12,6 +12,7 @@ from support import oomcast_cmd
 from oomcast.bench.agent import bench_agent
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_bench_agent_samples_every_domain_each_tick(redis_url: str) -> None:
     result = bench_agent(redis_url, seconds=1.0, hz=20, domains=3)
     assert result["domains"] == 3 and result["gpus"] == 8 and result["ticks"] >= 10
@@ -29,6 +30,7 @@ def test_bench_agent_gpus_only_and_nothing(redis_url: str) -> None:
         bench_agent(redis_url, seconds=0.5, domains=0, gpus=0)
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_bench_cli_hook_and_agent(redis_url: str) -> None:
     env_url = ["--redis-url", redis_url]
     hook = subprocess.run(

@@ -76,6 +76,7 @@ def test_an_answer_other_than_200_stops_the_bench_and_says_why() -> None:
     shutil.rmtree(logs)
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_bad_arguments_are_refused_before_anything_starts() -> None:
     done = _bench("--concurrency", "1,zero")
     assert done.returncode == 2 and "'zero' is not a count" in done.stderr

@@ -63,6 +63,7 @@ def test_demo_starts_a_private_redis_when_none_answers(
     assert not real(url)  # stopped on the way out
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_ctrl_c_stops_everything_it_started(tmp_path: Path) -> None:
     # Like a terminal: SIGINT to the whole foreground process group.
     proc = subprocess.Popen(

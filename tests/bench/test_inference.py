@@ -13,6 +13,7 @@ from support import oomcast_cmd
 from oomcast.bench.inference import bench_inference
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_bench_inference_reports_every_figure_and_restores_the_cpu_set() -> None:
     before = os.sched_getaffinity(0)
     out = bench_inference(seconds=0.02, sizes=(1, 50), window_runs=5)

@@ -87,6 +87,7 @@ def test_the_rate_mode_reports_latency_from_the_service_histogram() -> None:
     assert "interpolated" in str(r["latency_note"])
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_a_bad_rate_is_refused_with_its_value() -> None:
     done = subprocess.run(
         oomcast_cmd("bench", "ingest", "--rate", "0"), capture_output=True, text=True, timeout=60

@@ -8,6 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 from support import free_port, oomcast_cmd
 
 
@@ -31,6 +32,7 @@ def test_a_good_deployment_passes_every_check(redis_url: str, key_prefix: str) -
     assert all(c["ok"] for c in result["checks"])
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_each_problem_is_named_and_fails_the_check(tmp_path: Path, redis_url: str) -> None:
     env_file = tmp_path / "oomcast.env"
     env_file.write_text("OOMCAST_ALERT_HORIZON_S=45\n")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import redis
 from support import LIMIT, free_port, oomcast_cmd, v2_files, wait_until, write_files
 
@@ -25,6 +26,7 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     )
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_bad_flags_are_refused_by_name(tmp_path: Path) -> None:
     r = run("collect", "--source", "nvml,gpu")
     assert r.returncode == 2 and "unknown gpu" in r.stderr
@@ -38,6 +40,7 @@ def test_bad_flags_are_refused_by_name(tmp_path: Path) -> None:
     assert r.returncode == 2 and "needs --trace" in r.stderr
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_cgroup_and_sim_together_metrics_and_sigterm(
     tmp_path: Path, redis_url: str, key_prefix: str
 ) -> None:
@@ -139,6 +142,7 @@ def entries(url: str, key_prefix: str, node: str) -> list[dict[bytes, bytes]]:
     return [f for _, f in redis.Redis.from_url(url).xrange(stream) if f[b"node"] == node.encode()]
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_no_log_line_shows_the_redis_password(
     private_redis: Any, key_prefix: str, tmp_path: Path
 ) -> None:
@@ -174,6 +178,7 @@ def test_control_key_prints_the_node_key() -> None:
     assert r.returncode == 2 and "OOMCAST_CONTROL_SECRET is not set" in r.stderr
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_agent_attests_with_its_node_key_and_warns_about_the_master(
     redis_url: str, key_prefix: str, tmp_path: Path
 ) -> None:
@@ -222,6 +227,7 @@ def test_agent_attests_with_its_node_key_and_warns_about_the_master(
 HOLD = "import time; print('up', flush=True); time.sleep(120)"
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_agent_sheds_only_when_its_own_reading_confirms_the_command(
     tmp_path: Path, redis_url: str, key_prefix: str
 ) -> None:

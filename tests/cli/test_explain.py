@@ -7,6 +7,7 @@ import pickle
 import subprocess
 from pathlib import Path
 
+import pytest
 from support import oomcast_cmd
 
 from oomcast.training.allocator import CachingAllocatorSim
@@ -18,6 +19,7 @@ def explain(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(oomcast_cmd("explain", *args), capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_explain_reads_a_snapshot_pickle(tmp_path: Path) -> None:
     sim = CachingAllocatorSim(400 * MIB)
     handles = [sim.malloc(8 * MIB) for _ in range(40)]
@@ -33,6 +35,7 @@ def test_explain_reads_a_snapshot_pickle(tmp_path: Path) -> None:
     assert json.loads(out.stdout)["fragmentation"] == 0.6
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_explain_refuses_what_it_cannot_read(tmp_path: Path) -> None:
     out = explain(str(tmp_path / "missing.pickle"))
     assert out.returncode == 2 and "no such file" in out.stderr

@@ -99,6 +99,7 @@ def test_the_collector_image_runs_the_agent_command() -> None:
     assert "Sample memory domains" in out.stdout
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_a_bad_setting_names_its_variable_and_value() -> None:
     """pydantic's own message ("Input should be a valid integer") said neither which
     variable nor what it held."""

@@ -83,6 +83,7 @@ def test_an_oom_exits_1_with_the_phase(capsys: pytest.CaptureFixture[str]) -> No
     assert "verdict: OOM" in out and "remedies" in out
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_script_mode_hands_over_the_job_and_stops_before_training(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -202,7 +203,7 @@ def test_without_torch_the_command_names_the_extra() -> None:
 
 @pytest.mark.slow
 def test_the_installed_command_runs_an_entry() -> None:
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "preflight")}  # preflight_jobs.py
     out = subprocess.run(
         oomcast_cmd(
             "preflight",

@@ -91,6 +91,7 @@ def test_the_document_has_every_role() -> None:
     } <= users
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_default_user_is_off(acl_redis: Any) -> None:
     with pytest.raises(redis.exceptions.AuthenticationError):
         redis.Redis(host="127.0.0.1", port=acl_redis.port).ping()

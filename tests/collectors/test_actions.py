@@ -266,6 +266,7 @@ def test_shed_picks_lower_priority_largest_first(children: Children) -> None:
     assert skipped(result)[prod.pid] == "the protected job"
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_shed_term_then_kill_after_grace(children: Children) -> None:
     stubborn = children.sleeper("ignore_term")
     polite = children.sleeper()
@@ -418,6 +419,7 @@ def events_of(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
     return [json.loads(f[b"event"]) for _, f in client.xrange(keys.events)]
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_checkpoint_by_signal_to_a_catching_process(
     children: Children, tmp_path: Path, rclient: redis.Redis, redis_url: str, key_prefix: str
 ) -> None:
@@ -440,6 +442,7 @@ def test_checkpoint_by_signal_to_a_catching_process(
     assert len(entries) == 1 and json.loads(entries[0][1][b"cmd"])["action"] == "checkpoint"
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_checkpoint_signalled_without_acknowledgement(
     children: Children, tmp_path: Path, rclient: redis.Redis, redis_url: str, key_prefix: str
 ) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import redis
 from support import free_port, start_serve, v2_files, wait_until, write_files
 
@@ -26,6 +27,7 @@ UID = "7c1e0f7a-5b7e-4c59-9d1a-2f0c3a4b5c6d"
 CGROUP_LIMIT = 2 * GIB
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_agent_publishes_both_sources_and_the_service_forecasts(
     tmp_path: Path, redis_url: str, key_prefix: str
 ) -> None:

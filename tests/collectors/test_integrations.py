@@ -435,6 +435,7 @@ def _published(client: redis.Redis, hook: MemoryHook) -> tuple[list[Any], list[A
     return [e for e in schedules if isinstance(e, ScheduleEvent)], samples
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_hf_schedule_reads_steps_ratios_and_strategies(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     args = transformers.TrainingArguments

@@ -369,6 +369,8 @@ COLLECT_FLAGS: dict[str, Callable[[str], None]] = {
     "--metrics-port": _port,
     "--redis-url": _redis_url,
 }
+
+
 def _workers(v: str) -> None:
     from oomcast.service.cluster.workers import parse_workers
 

@@ -421,9 +421,9 @@ RUNS: dict[str, Run] = {
     "oomcast evaluate --traces data/sim/test --model runs/mine/model.onnx --min-lead 30": Run(
         after=(SIM, EXPORT)
     ),
-    # the corpus at 1 Hz, not 10 (5 s, not 20-30): every run scored, the flags as written
-    "oomcast evaluate --traces training/traces/corpus --model runs/mine/model.onnx --min-lead 30"
-    " --per-trace runs/mine/per-trace.jsonl --by-cause": Run(
+    # the jobs corpus's test programs at 1 Hz, not 10 (seconds, not minutes), flags as written
+    "oomcast evaluate --traces training/traces/jobs --split test --model runs/mine/model.onnx"
+    " --min-lead 30 --per-trace runs/mine/per-trace.jsonl --by-cause": Run(
         extra="--resample-s 1", after=(EXPORT,)
     ),
     # the corpus's test programs by 6 of their runs, not all 95 (5 s, not 15-25)
@@ -447,9 +447,7 @@ RUNS: dict[str, Run] = {
     "oomcast bench ingest --domains 2000 --rate 5000 --seconds 30": Run(extra=SECONDS_1),
     # the soak mode for 1 s, not 30 minutes: it starts, writes at the rate, reports RSS
     "oomcast bench ingest --domains 2000 --rate 5000 --seconds 1800 --soak --plot soak-rss.png"
-    " --json": Run(
-        extra=SECONDS_1
-    ),
+    " --json": Run(extra=SECONDS_1),
     "oomcast bench ingest --domains 5000 --seconds 6 --replicas 2 --json": Run(extra=SECONDS_1),
     "oomcast bench cluster --domains 2000 --seconds 10 --json": Run(extra=SECONDS_1),
     "oomcast bench api --predict --concurrency 1,16 --window 600 --seconds 10 --json": Run(

@@ -51,8 +51,7 @@ def test_the_readme_quotes_the_models_horizons(meta: dict[str, Any]) -> None:
     m = _find("README.md", r"within (\d+) (s|min) to (\d+) (s|min) and the time left")
     quoted = (_duration(m[1], m[2]), _duration(m[3], m[4]))
     assert quoted == (min(meta["horizons_s"]), max(meta["horizons_s"])), (
-        f"README says {quoted[0]}-{quoted[1]} s; the shipped model forecasts"
-        f" {meta['horizons_s']}"
+        f"README says {quoted[0]}-{quoted[1]} s; the shipped model forecasts {meta['horizons_s']}"
     )
 
 

@@ -81,7 +81,7 @@ def test_feature_names_are_unique_and_counted() -> None:
     assert FEATURES[:N_INSTANT] == INSTANT_FEATURES and N_INSTANT == 14
     assert EMBEDDING_VERSION == 5
     # v5: growth beyond noise over 15-120 s, the projection to the limit, its age
-    assert FEATURES[-len(GROWTH_FEATURES):] == GROWTH_FEATURES
+    assert FEATURES[-len(GROWTH_FEATURES) :] == GROWTH_FEATURES
     # v4: the level and its log headroom replace the per-sample rate and the absolute GiB
     assert {"level_frac", "headroom_log10", "log1p_retries_per_min"} <= set(FEATURES)
     assert {"resid_30s_pct", "resid_300s_pct", "span_30s", "span_300s"} <= set(FEATURES)
@@ -567,6 +567,7 @@ def test_growing_spikes_raise_the_high_water_mark_and_flat_ones_do_not() -> None
     assert feat(flat, "used_frac") == feat(growing, "used_frac")
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_trends_do_not_depend_on_the_sampling_interval_or_a_sawtooth() -> None:
     def climb(interval: float, saw: float) -> list[float]:
         state = EmbeddingState()

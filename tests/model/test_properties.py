@@ -130,6 +130,7 @@ def test_flat_lines_never_alert_at_any_level_capacity_or_rate(
     hz=st.sampled_from([1.0, 2.0, 10.0]),
     kind=st.sampled_from(["gpu", "host"]),
 )
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_a_flat_line_drawn_at_random_never_alerts(
     fc: OnnxForecaster, level: float, gib: float, minutes: float, hz: float, kind: str
 ) -> None:

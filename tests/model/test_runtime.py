@@ -92,6 +92,7 @@ def outputs(fc: OnnxForecaster, forecasts: list) -> tuple[np.ndarray, np.ndarray
     return risk, tto
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_export_metadata_carries_the_tick_and_the_tto_floor(trained: tuple[Path, dict]) -> None:  # type: ignore[type-arg]
     path, ckpt = trained
     meta = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
@@ -105,6 +106,7 @@ def test_export_metadata_carries_the_tick_and_the_tto_floor(trained: tuple[Path,
     assert [o.name for o in fc.session.get_outputs()] == ["risk", "tto_s", "h_out", "c_out"]
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_streaming_at_10_hz_commits_the_state_only_on_due_ticks(
     trained: tuple[Path, dict],  # type: ignore[type-arg]
 ) -> None:

@@ -463,6 +463,7 @@ def _checked(obj: dict[str, object]) -> object:
 
 @hsettings(max_examples=3000, deadline=None)
 @given(_objects())
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_the_fast_path_takes_only_what_the_checks_take_and_builds_the_same_sample(
     obj: dict[str, object],
 ) -> None:

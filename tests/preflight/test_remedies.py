@@ -19,6 +19,7 @@ def _remedy(remedies: list[Remedy], name: str) -> Remedy:
     return found[0]
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_the_largest_batch_fits_and_the_next_does_not() -> None:
     job = wide_mlp(1024, 4, 64, checkpoint="none")
     capacity = 512 * MIB
@@ -36,6 +37,7 @@ def test_the_largest_batch_fits_and_the_next_does_not() -> None:
     assert not over.fits
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_a_job_that_does_not_fit_gets_a_smaller_batch_and_grad_accum() -> None:
     # 64 MiB per activation at batch 16384: eight of them do not fit beside the weights
     job = wide_mlp(1024, 8, 16384, checkpoint="none")
@@ -78,6 +80,7 @@ def test_eval_no_grad_and_checkpoint_from_cpu_apply_only_where_they_change_somet
     assert not [m for m in cpu.remedies if m.name == "grad_accum"]  # it fits already
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_expandable_segments_is_offered_unless_set() -> None:
     job = wide_mlp(256, 3, 32)
     off = preflight(job, capacity_bytes=GIB, steps=1)

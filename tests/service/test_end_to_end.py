@@ -120,6 +120,7 @@ def test_replayed_trace_without_oom_fires_nothing(
     assert httpx.get(f"{base}/v1/alerts").json()["count"] == 0
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_replay_stops_at_a_corrupt_line_naming_file_and_line(stack: Any, tmp_path: Path) -> None:
     _, replay = stack
     path = write(tmp_path / "bad.jsonl.gz", leak_trace(seconds_to_oom=30))

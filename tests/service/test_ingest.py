@@ -72,6 +72,7 @@ def seen(c: TestClient, node: str, device: str) -> int:
     return int(r.json()["samples_seen"]) if r.status_code == 200 else 0
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_malformed_entries_are_dead_lettered_and_ingest_goes_on(
     redis_url: str, key_prefix: str, rclient: redis.Redis
 ) -> None:
@@ -178,6 +179,7 @@ def served(redis_url: str, key_prefix: str) -> Iterator[Any]:
             p.wait()
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_sigkill_loses_no_pending_sample(
     served: Any, rclient: redis.Redis, key_prefix: str
 ) -> None:
@@ -217,6 +219,7 @@ def test_sigkill_loses_no_pending_sample(
     assert json.loads(httpx.get(f"{base}/readyz").text)["status"] == "ready"
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_two_replicas_split_the_nodes_by_partition(
     redis_url: str, key_prefix: str, rclient: redis.Redis
 ) -> None:
@@ -260,6 +263,7 @@ def test_two_replicas_split_the_nodes_by_partition(
     assert pending(rclient, keys) == 0
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_alert_survives_a_failed_audit_write(
     redis_url: str, key_prefix: str, rclient: redis.Redis, webhook_receiver: Any
 ) -> None:

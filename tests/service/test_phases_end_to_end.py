@@ -57,6 +57,7 @@ def events_read(c: TestClient, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_an_eval_that_will_not_fit_is_alerted_with_its_cause_and_one_that_fits_is_not(
     redis_url: str, key_prefix: str, rclient: redis.Redis, webhook_receiver: Any
 ) -> None:

@@ -733,6 +733,7 @@ PROPERTY_SETTINGS = settings(
 
 @PROPERTY_SETTINGS
 @given(config=CONFIGS, capacity=st.integers(64, 1024), ops=OPS)
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_random_sequences_keep_the_books(config: dict, capacity: int, ops: list) -> None:
     sim = CachingAllocatorSim(capacity * MIB, **config)
     live: list[tuple[int, int]] = []  # (handle, requested size)

@@ -258,6 +258,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_cli_json_prints_one_object(folder: Path) -> None:
     proc = cli("--traces", str(folder), "--json")
     assert proc.returncode == 0, proc.stderr
@@ -324,6 +325,7 @@ def test_cli_missing_folder_exits_2(tmp_path: Path) -> None:
     assert "not a folder" in proc.stderr
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_cli_takes_several_folders_and_files(folder: Path, tmp_path: Path) -> None:
     one = sorted(folder.rglob("*.jsonl*"))[0]
     both = json.loads(cli("--traces", str(folder), "--json").stdout)

@@ -50,6 +50,7 @@ def test_dump_keeps_one_node_dedups_and_labels(
     assert "hostname" in str(err.value)
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_dump_time_range_and_cli(
     rclient: redis.Redis, redis_url: str, key_prefix: str, tmp_path: Path
 ) -> None:

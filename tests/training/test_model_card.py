@@ -9,7 +9,7 @@ corpus, 4 Hz (ticks fall on whole seconds), test split unless said:
                        0.95 ~20 s ahead
   000b gan/none        sawtooth 0.88 +- 0.05 for 120 s: threshold 0.90 fires (a false alarm)
   001a hf_bert/step_up flat 0.6 for 100 s, 0.97 at 100 s, OOM at 100.5: no lead of 10 s
-  001b hf_bert/none    sawtooth 0.5 +- 0.05 for 120 s, then an ``exit`` event (role "near")
+  001b hf_bert/none    sawtooth 0.5 +- 0.05 for 120 s, then an ``exit`` event (kind "near")
   002a mlp_tabular/leak, train split: must be left out
 simulated, 1 Hz:
   00000-leak        0.5 -> 1.0 over 400 s: both thresholds fire 30 s ahead or more
@@ -55,12 +55,12 @@ def with_exit(records: list[Record], at: float) -> list[Record]:
 
 
 CORPUS_RUNS: list[tuple[str, str, str, str, str, list[Record]]] = [
-    # name, program, cause, split, role, records
+    # name, program, cause, split, kind (as training/corpus/plan.py names them), records
     ("000a-gan-leak", "gan", "leak", "test", "oom",
      leak_trace(start_frac=0.5, seconds_to_oom=200, interval_s=0.25, seed=0)),
-    ("000b-gan-none", "gan", "none", "test", "roomy",
+    ("000b-gan-none", "gan", "none", "test", "ordinary",
      steady_trace(level=0.88, amplitude=0.05, seconds=120, interval_s=0.25)),
-    ("001a-hf_bert-step_up", "hf_bert", "step_up", "test", "oom",
+    ("001a-hf_bert-step_up", "hf_bert", "step_up", "test", "sudden",
      sudden_trace(100, 0.6, 0.97, 0.25)),
     ("001b-hf_bert-none", "hf_bert", "none", "test", "near",
      with_exit(steady_trace(level=0.5, amplitude=0.05, seconds=120, interval_s=0.25), T0 + 120)),
@@ -77,7 +77,7 @@ SIM_TRACES: list[tuple[str, str, list[Record]]] = [
 
 def write_corpus(folder: Path) -> Path:
     runs = []
-    for name, program, cause, split, role, records in CORPUS_RUNS:
+    for name, program, cause, split, kind, records in CORPUS_RUNS:
         write(folder / f"{name}.jsonl.gz", records)
         oom = any(isinstance(r, Event) and r.event == "oom" for r in records)
         runs.append(
@@ -86,7 +86,7 @@ def write_corpus(folder: Path) -> Path:
                 "program": program,
                 "cause": cause,
                 "split": split,
-                "role": role,
+                "kind": kind,
                 "oom": oom,
             }
         )
@@ -321,8 +321,10 @@ def test_reliability_counts_every_known_tick(card: dict[str, Any]) -> None:
         rows = rel[str(h)]
         assert len(rows) == 10
         # leak: 200 ticks before its OOM, all known; step: 101; gan/none: the 120 ticks end
-        # at 119 s with no exit, known where 119 - t >= h; hf_bert/none: 120, all known (exit)
-        known = 200 + 101 + max(0, 120 - h) + 120
+        # at 119 s with no exit, known where 119 - t >= h; hf_bert/none exits normally at
+        # 120 s: that is censoring too (the run proved nothing past its end), known where
+        # 120 - t >= h
+        known = 200 + 101 + max(0, 120 - h) + max(0, 121 - h)
         assert sum(r["count"] for r in rows) == known, h
         # OOM within h: the last h ticks of the leak, those from 100.5 - h of the step
         positives = min(h, 200) + min(h, 101)
@@ -342,10 +344,10 @@ def test_figures_and_examples(card: dict[str, Any]) -> None:
         assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert [e["trace"] for e in card["risk_examples"]] == [
         "000a-gan-leak.jsonl.gz",  # the corpus's only growth OOM
-        "001b-hf_bert-none.jsonl.gz",  # its near miss
+        "001b-hf_bert-none.jsonl.gz",  # its near miss (no warm-up nor censored run here)
+        "001a-hf_bert-step_up.jsonl.gz",  # a sudden OOM, from the corpus
         "00000-leak.jsonl.gz",  # a simulated growth OOM
         "00001-steady.jsonl.gz",  # the simulated OOM-free trace closest to its limit
-        "001a-hf_bert-step_up.jsonl.gz",  # a sudden OOM, from the corpus
     ]
     assert card["risk_examples"][0]["oom_ts"] == T0 + 200
 

@@ -48,6 +48,7 @@ def schedules_in(records: list[Record]) -> list[ScheduleEvent]:
 
 
 @pytest.mark.parametrize("family", ["spikes", "checkpoint_spike"])
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_samples_carry_steps_and_phases_that_match_the_schedule(family: str, cache: Path) -> None:
     phase = "checkpoint"
     for seed in range(10):  # a job that ran the phase twice before it ended (or OOMed)
@@ -201,6 +202,7 @@ def strip_hook_fields(src: Path, dst: Path) -> None:
     write_trace(dst, records)
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_no_phases_gives_the_scores_of_traces_without_the_hooks_fields(
     model: Detector, cache: Path, tmp_path: Path
 ) -> None:
@@ -225,6 +227,7 @@ def test_no_phases_gives_the_scores_of_traces_without_the_hooks_fields(
     assert with_phases["phase_traces"] == 3  # the neighbour's job has no schedule
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_cli_no_phases_and_announce_share_flags(tmp_path: Path) -> None:
     path = tmp_path / "eval.jsonl"
     write_trace(path, eval_trace(0.5, oom=True))

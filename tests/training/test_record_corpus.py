@@ -99,6 +99,7 @@ def test_one_config_is_recorded_roomy_first_under_a_real_cgroup(
 
 
 @pytest.mark.skipif(not (CORPUS / rc.MANIFEST).is_file(), reason="no recorded corpus")
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_the_committed_corpus_is_what_the_issue_asked_for() -> None:
     runs = json.loads((CORPUS / rc.MANIFEST).read_text())["runs"]
     assert len(runs) >= 240

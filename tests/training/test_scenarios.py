@@ -41,6 +41,7 @@ def test_parameters_are_deterministic_and_plausible() -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_traces_are_valid_and_physically_consistent(
     family: str, cache: Path, tmp_path: Path
 ) -> None:

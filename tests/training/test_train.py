@@ -295,6 +295,7 @@ def runs(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
     }
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_training_writes_a_checkpoint_that_explains_itself(runs: dict[str, Any]) -> None:
     out, ckpt = runs["a"]
     on_disk = torch.load(out / "checkpoint.pt", weights_only=False)
@@ -362,6 +363,7 @@ def test_load_sources_groups_what_it_reads_and_refuses_nothing_to_train_on(
         )
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_cli_train_refuses_a_folder_without_splits(tmp_path: Path) -> None:
     done = subprocess.run(
         oomcast_cmd("train", "--data", str(tmp_path), "--out", str(tmp_path / "o")),
@@ -373,6 +375,7 @@ def test_cli_train_refuses_a_folder_without_splits(tmp_path: Path) -> None:
     assert "not a folder of traces" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_cli_train_refuses_a_missing_checkpoint_to_go_on_from(data: Path, tmp_path: Path) -> None:
     missing = tmp_path / "nope.pt"
     done = subprocess.run(
@@ -387,6 +390,7 @@ def test_cli_train_refuses_a_missing_checkpoint_to_go_on_from(data: Path, tmp_pa
     assert "Traceback" not in done.stderr and not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_training_can_go_on_from_an_earlier_checkpoint(
     data: Path, runs: dict[str, Any], tmp_path: Path
 ) -> None:

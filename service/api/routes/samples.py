@@ -9,6 +9,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from oomcast.model.schema import Sample
+from oomcast.model.text import as_str
 from oomcast.model.wire import encode_samples, sample_payload
 from oomcast.service.api.deps import Authorized, Ctx, unavailable, unprocessable, write_refusal
 from oomcast.service.api.responses import WITH_BODY, responses
@@ -83,5 +84,5 @@ async def ingest_samples(body: SamplesBody, ctx: Ctx) -> dict[str, Any]:
             raise unavailable(f"{reason}; {kept}, try again later") from None
     return {
         "accepted": len(samples),
-        "entries": [i.decode() if isinstance(i, bytes) else i for i in ids],
+        "entries": [as_str(i) for i in ids],
     }

@@ -114,6 +114,7 @@ def test_an_unknown_job_is_refused_by_name() -> None:
         measure(["mlp", "nope"])
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_memtracker_is_left_out_with_the_reason_where_it_cannot_run() -> None:
     seq2seq = zoo_row("gru_seq2seq").job
     assert "NotImplementedError" in (accuracy.memtracker_note(seq2seq) or "")

@@ -31,6 +31,7 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_the_cpu_dry_run_writes_the_table_without_cuda_figures(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     gpu_preflight.main(["--device", "cpu", "--jobs", "mlp", "--out", str(out)])

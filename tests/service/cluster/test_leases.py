@@ -72,6 +72,7 @@ def counts(*replicas: PartitionLeases) -> list[int]:
     return [len(r.owned()) for r in replicas]
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_two_replicas_split_fairly_and_a_newcomer_gets_work(
     redis_url: str, key_prefix: str
 ) -> None:
@@ -98,6 +99,7 @@ def test_two_replicas_split_fairly_and_a_newcomer_gets_work(
     asyncio.run(scenario())
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_a_stalled_replica_is_taken_over_and_never_owns_twice(
     redis_url: str, key_prefix: str
 ) -> None:
@@ -122,6 +124,7 @@ def test_a_stalled_replica_is_taken_over_and_never_owns_twice(
     asyncio.run(scenario())
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_a_dead_replicas_partitions_are_taken_over_within_the_stated_time(
     redis_url: str, key_prefix: str
 ) -> None:
@@ -158,6 +161,7 @@ def test_a_clean_release_hands_over_at_once(redis_url: str, key_prefix: str) -> 
     asyncio.run(scenario())
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_a_replica_that_loses_redis_stops_owning_before_its_leases_expire(
     redis_url: str, key_prefix: str, private_redis: PrivateRedis
 ) -> None:

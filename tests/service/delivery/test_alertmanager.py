@@ -412,6 +412,7 @@ def test_a_resolve_is_never_overtaken_by_a_retried_firing(
     assert "expired" not in asyncio.run(go())
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_no_resend_is_stacked_behind_a_push_still_owed(
     redis_url: str, key_prefix: str, rclient: redis.Redis
 ) -> None:

@@ -95,6 +95,7 @@ def owed(client: redis.Redis, prefix: str) -> int:
     return int(client.hlen(f"{prefix}:outbox:{{o}}:webhook:items"))
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_a_receiver_down_for_longer_than_the_old_retry_budget_gets_every_alert_once(
     redis_url: str, key_prefix: str, rclient: redis.Redis
 ) -> None:
@@ -133,6 +134,7 @@ def test_a_receiver_down_for_longer_than_the_old_retry_budget_gets_every_alert_o
             r.close()
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_503s_for_longer_than_the_old_budget_then_delivered(
     redis_url: str, key_prefix: str, rclient: redis.Redis, webhook_receiver: WebhookReceiver
 ) -> None:
@@ -228,6 +230,7 @@ def test_a_task_cancelled_mid_command_ends(redis_url: str, key_prefix: str) -> N
     assert asyncio.run(go()) == 0, "cancelled tasks ran on: is redis-py 8.0/8.1 installed?"
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_two_workers_on_one_outbox_never_post_the_same_delivery_twice(
     redis_url: str, key_prefix: str, rclient: redis.Redis, webhook_receiver: WebhookReceiver
 ) -> None:

@@ -63,6 +63,7 @@ def test_the_model_serves_with_its_own_rule(
         assert 'kind="model"' in metrics and 'provider="CPUExecutionProvider"' in metrics
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_a_named_model_that_is_missing_stops_the_service(
     redis_url: str, key_prefix: str, tmp_path: Path
 ) -> None:

@@ -15,16 +15,13 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from oomcast.bench.local_cluster import LocalCluster
+from oomcast.model.text import as_str
 from oomcast.model.wire import Keys
 from oomcast.service.pipeline.read import CLUSTER_BLOCK_MS, is_cluster, read_new
 
 cluster = pytest.fixture(scope="module", name="cluster")(local_cluster)
 GROUP, CONSUMER = "g", "c"
 PARTITIONS = 4
-
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 async def fill(client: aioredis.Redis, keys: Keys, per_stream: int, group: bool = True) -> None:
@@ -38,7 +35,7 @@ async def fill(client: aioredis.Redis, keys: Keys, per_stream: int, group: bool 
 async def read_all_then_idle(client: aioredis.Redis, keys: Keys) -> None:
     streams = keys.all_samples()
     got = await read_new(client, GROUP, CONSUMER, streams, 2, 1000)
-    assert [_s(s) for s, _ in got] == streams  # every stream, in order
+    assert [as_str(s) for s, _ in got] == streams  # every stream, in order
     assert all(len(entries) == 2 for _, entries in got)  # count applies per stream
     got = await read_new(client, GROUP, CONSUMER, streams, 10, 1000)
     assert [len(entries) for _, entries in got] == [1] * PARTITIONS
@@ -51,6 +48,7 @@ async def read_all_then_idle(client: aioredis.Redis, keys: Keys) -> None:
         assert return_s >= 0.9, return_s
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_one_server_is_read_with_one_blocking_read(redis_url: str, key_prefix: str) -> None:
     async def scenario() -> None:
         client = aioredis.from_url(redis_url)
@@ -77,7 +75,7 @@ def test_a_cluster_is_read_stream_by_stream_with_a_short_block(cluster: LocalClu
         waiting = asyncio.create_task(read_new(client, GROUP, CONSUMER, streams, 10, 500))
         await client.xadd(streams[2], {"i": "late"})
         got = await waiting or await read_new(client, GROUP, CONSUMER, streams, 10, 500)
-        assert [(_s(s), len(e)) for s, e in got] == [(streams[2], 1)]
+        assert [(as_str(s), len(e)) for s, e in got] == [(streams[2], 1)]
         await client.aclose()
 
     asyncio.run(scenario())

@@ -78,33 +78,38 @@ def test_a_new_job_on_the_device_starts_from_a_clean_forecaster_state() -> None:
     from oomcast.model.runtime import DEFAULT_MODEL, OnnxForecaster
 
     fc = OnnxForecaster(DEFAULT_MODEL)
+
+    def state_of(live: LiveState) -> dict[str, Any]:
+        """The LSTM's state and the embedding's memory of the one domain."""
+        (dom,) = live.domains.values()
+        return fc.export_state(dom.forecaster_state)
+
     st = live_state(fc)
     # job A climbs hard to 97%, then job B starts on the same GPU at 30%
     st.apply([sample(float(t), 0.5 + 0.02 * t, job="a") for t in range(24)], now=100.0)
     b = [sample(30.0 + t, 0.3, job="b") for t in range(5)]
     got = st.apply(b, now=101.0).forecasts
-    fresh = live_state(fc).apply(b, now=101.0).forecasts
+    fresh_state = live_state(fc)
+    fresh = fresh_state.apply(b, now=101.0).forecasts
     for (_, g), (_, f) in zip(got, fresh, strict=True):
         assert dict(g.risk) == dict(f.risk)
+    assert state_of(st) == state_of(fresh_state)  # nothing of job A is left
     # the same samples without a job change carry job A's history
     st2 = live_state(fc)
     st2.apply([sample(float(t), 0.5 + 0.02 * t, job="a") for t in range(24)], now=100.0)
-    same_job = st2.apply([sample(30.0 + t, 0.3, job="a") for t in range(5)], now=101.0)
-    assert dict(same_job.forecasts[0][1].risk) != dict(fresh[0][1].risk)
+    st2.apply([sample(30.0 + t, 0.3, job="a") for t in range(5)], now=101.0)
+    assert state_of(st2)["h"] != state_of(fresh_state)["h"]
 
 
 class RiskIsUse:
     """A forecaster whose risk within h seconds is the sample's used fraction times h/120
     (so every horizon differs), and whose time to OOM is 10 s on a sample with
     ``alloc_retries`` set (independent of the risk): alerts come and go where a test puts
-    them. ``arrays`` gives it ``step_arrays`` (the batch as arrays, as OnnxForecaster has)."""
+    them. ``RiskIsUseArrays`` adds ``step_arrays`` (the batch as arrays, as OnnxForecaster
+    has)."""
 
     version = "test/risk-is-use"
     horizons_s = (5, 15, 30, 60, 120, 300)
-
-    def __init__(self, arrays: bool) -> None:
-        if arrays:
-            self.step_arrays = self._step_arrays
 
     def init_state(self) -> None:
         return None
@@ -120,7 +125,9 @@ class RiskIsUse:
             for s in samples
         ]
 
-    def _step_arrays(
+
+class RiskIsUseArrays(RiskIsUse):
+    def step_arrays(
         self, states: list[None], samples: list[Any], embeddings: object = None
     ) -> tuple[list[Any], np.ndarray, list[float | None]]:
         fcs = self.step(states, samples)
@@ -184,7 +191,7 @@ def test_skipping_quiet_domains_decides_what_running_every_rule_decides(
     (fire_after 2 and resolve_after 3 catch an episode whose counts were skipped)."""
     rng = random.Random(seed)
     rules = _rules()
-    live = LiveState(RiskIsUse(arrays), rules, horizon_s=120)
+    live = LiveState(RiskIsUseArrays() if arrays else RiskIsUse(), rules, horizon_s=120)
     streams = {d: [] for d in ("gpu0", "gpu1", "gpu2")}
     for d, out in streams.items():
         u = rng.uniform(0.1, 0.6)
@@ -200,6 +207,6 @@ def test_skipping_quiet_domains_decides_what_running_every_rule_decides(
             got.append((a.status, a.rule, a.device, a.observed_at))
         applied.extend((s, now) for s in batch)
         i += len(batch)
-    ref = _reference(rules, applied, RiskIsUse(False))
+    ref = _reference(rules, applied, RiskIsUse())
     assert len(ref) > 20, "the walk must cross the bars often enough to mean something"
     assert got == ref

@@ -90,6 +90,7 @@ def test_warmup_levels_off_and_plateau_climbs_in_a_line_then_holds() -> None:
     assert held(full) == pytest.approx(64 * MIB, rel=0.02)
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_eval_accum_rises_and_lets_go_and_churn_tracks_its_target() -> None:
     script = Script(duration_s=1000, period_s=1.0,
                     phases=[Phase("eval_accum", 0.0, rate_bps=MIB, every_s=30.0)])  # fmt: skip

@@ -70,8 +70,10 @@ def test_scripts_put_each_kind_where_it_must_go() -> None:
                 (phase,) = script.phases
                 fill = phase.level_bytes * FILL_OVERSHOOT + KERNEL_BYTES
                 assert 0.85 <= (peak + fill) / p.limit_bytes <= 0.95 + 1e-9
-                hold = script.duration_s - phase.start_s - (
-                    phase.tau_s if phase.kind == "plateau" else 3 * phase.tau_s
+                hold = (
+                    script.duration_s
+                    - phase.start_s
+                    - (phase.tau_s if phase.kind == "plateau" else 3 * phase.tau_s)
                 )
                 assert hold >= 179.9  # it holds near the limit for three minutes (to 0.1 s)
             elif p.kind == "censored":
@@ -79,9 +81,10 @@ def test_scripts_put_each_kind_where_it_must_go() -> None:
                 # it ends before its growth reaches the limit
                 assert not p.expect_oom and script.duration_s < phase.start_s + 240
             elif p.kind == "startup_oom":
-                assert script.phases[0].start_s <= 5 and p.limit_bytes < peak + script.phases[
-                    0
-                ].level_bytes
+                assert (
+                    script.phases[0].start_s <= 5
+                    and p.limit_bytes < peak + script.phases[0].level_bytes
+                )
             elif p.kind == "sudden":
                 assert peak < p.limit_bytes and 120 <= script.phases[0].start_s <= 240
 

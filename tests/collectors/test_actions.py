@@ -457,6 +457,7 @@ def test_checkpoint_signalled_without_acknowledgement(
     assert alive(job)
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_checkpoint_refused_when_nothing_catches_the_signal(
     children: Children, rclient: redis.Redis, key_prefix: str
 ) -> None:
@@ -545,6 +546,7 @@ def test_checkpoint_only_the_commands_job(
     assert not wait_until(flag.exists, timeout_s=0.2)
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_checkpoint_cancel_ends_the_wait(
     children: Children, tmp_path: Path, rclient: redis.Redis, redis_url: str, key_prefix: str
 ) -> None:

@@ -172,6 +172,7 @@ def test_streaming_at_10_hz_commits_the_state_only_on_due_ticks(
         assert differ > 1e-3
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_window_is_exactly_a_fresh_domain_streamed_sample_by_sample(
     trained: tuple[Path, dict],  # type: ignore[type-arg]
 ) -> None:

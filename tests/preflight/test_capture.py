@@ -13,6 +13,7 @@ PHASES = ("forward", "backward", "optimizer", "eval", "checkpoint")
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("make", [lambda: wide_mlp(256, 3, 32), lambda: lm_job()])
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_fake_and_real_captures_account_the_same_bytes(make, device: str) -> None:  # type: ignore[no-untyped-def]
     job = make()
     fake = capture_job(job, fake=True, device=device)

@@ -298,6 +298,7 @@ def test_cli_table_without_json(folder: Path) -> None:
         json.loads(proc.stdout)
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_cli_corrupt_trace_exits_2_with_file_and_line(folder: Path) -> None:
     bad = folder / "sub" / "bad.jsonl"
     bad.parent.mkdir()

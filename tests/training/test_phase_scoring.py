@@ -78,6 +78,7 @@ def test_samples_carry_steps_and_phases_that_match_the_schedule(family: str, cac
     assert all(e.eval_every_steps == first.eval_every_steps for e in later)
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_an_eval_no_grad_job_dies_at_its_first_scheduled_eval(cache: Path) -> None:
     params = draw_params("eval_no_grad", 0)
     records, summary = simulate_scenario(params, cache, announce_share=1.0)

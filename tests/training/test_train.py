@@ -334,6 +334,7 @@ def test_training_writes_a_checkpoint_that_explains_itself(runs: dict[str, Any])
     assert (out / "history.json").is_file() and (out / "best.pt").is_file()
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_training_is_reproducible_for_a_seed(runs: dict[str, Any]) -> None:
     a, b, c = (runs[k][1]["weights"] for k in "abc")
     assert set(a) == set(b) and "cal_a" in a

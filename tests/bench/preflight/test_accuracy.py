@@ -123,6 +123,7 @@ def test_memtracker_is_left_out_with_the_reason_where_it_cannot_run() -> None:
     assert accuracy.memtracker_note(zoo_row("gpt").job) is None
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_main_prints_json_for_the_jobs_asked(capsys: pytest.CaptureFixture[str]) -> None:
     accuracy.main(["--jobs", "mlp", "--json", "--no-allocator"])
     doc = json.loads(capsys.readouterr().out)

@@ -66,6 +66,14 @@ def wait_until(
         time.sleep(interval_s)
 
 
+def redis_answers(url: str, timeout_s: float = 0.3) -> bool:
+    """Whether a Redis at ``url`` answers PING (False: down, or still loading its data)."""
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=timeout_s).ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
 def oomcast_argv(*args: str) -> list[str]:
     """How the bench starts an ``oomcast`` subcommand: this interpreter, this package."""
     return [sys.executable, "-m", "oomcast.cli.main", *args]
@@ -176,10 +184,7 @@ class RedisServer:
         return redis.Redis.from_url(self.url, socket_connect_timeout=1, socket_timeout=10)
 
     def answers(self) -> bool:
-        try:
-            return bool(redis.Redis.from_url(self.url, socket_connect_timeout=0.3).ping())
-        except (redis.RedisError, OSError):
-            return False  # down, or still loading its append-only file
+        return redis_answers(self.url)
 
     def start(self, timeout_s: float = 20.0) -> RedisServer:
         if self.procs is not None:

@@ -41,7 +41,7 @@ from pydantic import SecretStr
 from oomcast.bench.demo.inbox import WebhookInbox
 from oomcast.bench.demo.summary import summarize
 from oomcast.bench.demo.view import watch
-from oomcast.bench.procs import FaultBenchError, RedisServer, free_port
+from oomcast.bench.procs import FaultBenchError, RedisServer, free_port, redis_answers
 from oomcast.model.control import node_key
 from oomcast.model.wire import DEFAULT_REDIS_URL, redact_url
 from oomcast.service.main import create_app
@@ -68,10 +68,7 @@ class DemoError(RuntimeError):
 
 
 def _answers(url: str) -> bool:
-    try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=0.5).ping())
-    except (redis.RedisError, OSError):
-        return False
+    return redis_answers(url, 0.5)
 
 
 @contextlib.contextmanager

@@ -234,10 +234,12 @@ def forged_figures(c: Copies, forged: Collection[SampleId]) -> dict[str, Any]:
     }
 
 
-def audit_records(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
+def _json_fields(client: redis.Redis, stream: str, field: bytes) -> list[dict[str, Any]]:
+    """Every entry of ``stream`` whose ``field`` holds a JSON object, decoded; the rest
+    (a missing field, bad JSON, another type) is skipped."""
     out = []
-    for _, fields in xrange_all(client, keys.alerts):
-        raw = fields.get(b"alert")
+    for _, fields in xrange_all(client, stream):
+        raw = fields.get(field)
         if raw is None:
             continue
         try:
@@ -247,6 +249,10 @@ def audit_records(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
         if isinstance(obj, dict):
             out.append(obj)
     return out
+
+
+def audit_records(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
+    return _json_fields(client, keys.alerts, b"alert")
 
 
 def owed_webhooks(records: Iterable[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
@@ -288,23 +294,12 @@ def alert_figures(
         "alert_delivery_p50_s": round(delays[len(delays) // 2], 2) if delays else None,
         "alert_delivery_max_s": round(delays[-1], 2) if delays else None,
         "deliveries_ended_by_outcome": dict(ends),
-        "deliveries_received_not_on_record": len(set(received) - set(owed_webhooks(records))),
+        "deliveries_received_not_on_record": len(set(received) - set(owed)),
     }
 
 
 def events(client: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
-    out = []
-    for _, fields in xrange_all(client, keys.events):
-        raw = fields.get(b"event")
-        if raw is None:
-            continue
-        try:
-            obj = json.loads(raw)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out
+    return _json_fields(client, keys.events, b"event")
 
 
 def action_figures(

@@ -23,11 +23,10 @@ from collections.abc import Iterable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from oomcast.collectors.agent import NodeAgent
+from oomcast.model.text import exposition
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +48,7 @@ def render(samples: Iterable[MetricSample]) -> str:
             )
         sample_name = family.name + "_total" if kind == "counter" else name
         family.add_sample(sample_name, dict(sorted(labels.items())), float(value))
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(list(families.values())))
-    return generate_latest(registry).decode()
-
-
-class _Families(Collector):
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
-
-    def collect(self) -> Iterable[Metric]:
-        return self.families
+    return exposition(families.values()).decode()
 
 
 def agent_samples(agent: NodeAgent, extra: Sequence[Any] = ()) -> list[MetricSample]:

@@ -44,10 +44,11 @@ import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from oomcast.model.text import exposition
 from oomcast.service.api.device_query import CURSORS_HEADER, BadCursor, decode_cursor
 from oomcast.service.api.edge import EdgeMiddleware
 from oomcast.service.settings import Settings, parse_partition_set
@@ -417,16 +418,6 @@ async def readyz(pool: WorkerPool, request: Request) -> Response:
     return JSONResponse(out, status_code=503 if problems else 200)
 
 
-class _Merged:
-    """A prometheus_client collector that yields already-made metric families."""
-
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
-
-    def collect(self) -> list[Metric]:
-        return self.families
-
-
 def merge_metrics(texts: Sequence[tuple[int, str]], pool: WorkerPool | None = None) -> bytes:
     """The workers' Prometheus texts as one: counters, histograms and summaries summed
     sample by sample (``*_created`` kept at the earliest), gauges labelled ``worker``; and
@@ -470,9 +461,7 @@ def merge_metrics(texts: Sequence[tuple[int, str]], pool: WorkerPool | None = No
         )
         families["oomcast_workers"] = up
         families["oomcast_worker_restarts"] = restarts
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Merged(list(families.values())))
-    return generate_latest(registry)
+    return exposition(families.values())
 
 
 async def metrics(pool: WorkerPool, request: Request) -> Response:

@@ -1,9 +1,10 @@
 """``oomcast preflight``: will a training job fit a GPU? (see docs/preflight.md)
 
 The job comes from ``--entry pkg.module:function`` (a function returning a
-``PreflightJob``) or from a script run in this process, ``-- python train.py ARGS``, that
-hands its job over with ``oomcast.preflight.submit(job)``. torch is imported only when the
-command runs.
+``PreflightJob``) or from a training script as written, ``-- python train.py ARGS``, run in
+this process on fake tensors (``preflight/script.py``; a script that calls
+``oomcast.preflight.submit(job)`` is checked by that job). The options are checked before
+anything runs. torch is imported only when the command runs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import importlib
 import importlib.util
 import json
 import os
-import runpy
 import sys
 import traceback
 from pathlib import Path
@@ -64,7 +64,7 @@ def add_parser(sub: Any) -> None:
         "script",  # not "command": main() names the subcommand by args.command in errors
         metavar="command",
         nargs=argparse.REMAINDER,
-        help="after --: python SCRIPT ARGS (or python -m MODULE ARGS) calling submit(job)",
+        help="after --: python SCRIPT ARGS (or python -m MODULE ARGS), the script as written",
     )
     p.set_defaults(func=cmd_preflight)
 
@@ -76,6 +76,16 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("give --gpu NAME or --capacity-bytes N")
     if args.steps < 1:
         raise UsageError(f"--steps must be at least 1, not {args.steps}")
+    from oomcast.preflight.gpus import capacity_for
+
+    try:  # before anything runs: a wrong name must not cost a run of the script
+        capacity_for(
+            args.gpu,
+            args.capacity_bytes,
+            CONTEXT_ALLOWANCE_BYTES if args.context_bytes is None else args.context_bytes,
+        )
+    except ValueError as exc:
+        raise UsageError(f"--gpu/--capacity-bytes: {exc}") from None
     conf = (
         args.alloc_conf
         if args.alloc_conf is not None
@@ -113,7 +123,9 @@ def _entry_job(entry: str) -> PreflightJob:
 
 
 def _run_script(command: list[str], options: dict[str, Any]) -> PreflightReport:
-    from oomcast.preflight.session import PreflightSubmitted, session
+    """Run the script as written under fake tensors (``preflight/script.py``) and report; a
+    script that hands over a ``PreflightJob`` with ``submit(job)`` is checked by that job."""
+    from oomcast.preflight.script import ScriptFailed, preflight_script
 
     if command and command[0] == "--":
         command = command[1:]
@@ -126,37 +138,16 @@ def _run_script(command: list[str], options: dict[str, Any]) -> PreflightReport:
         raise UsageError(f"no such script: {command[0]}")
     if module is not None:
         _find_module(module)
-    argv, path = sys.argv[:], sys.path[:]
-    sys.argv = [command[0] if module is None else module, *command[(1 if module is None else 2) :]]
-    if module is None:
-        sys.path.insert(0, str(Path(command[0]).resolve().parent))
+    path = None if module is not None else command[0]
+    argv = command[2:] if module is not None else command[1:]
     try:
-        with session(**options) as s:
-            try:
-                if module is None:
-                    runpy.run_path(command[0], run_name="__main__")
-                else:
-                    runpy.run_module(module, run_name="__main__", alter_sys=True)
-            except PreflightSubmitted:
-                pass
-            except SystemExit as exc:
-                raise UsageError(
-                    f"the script exited (status {exc.code}) before calling"
-                    " oomcast.preflight.submit(job)"
-                ) from None
-            except Exception as exc:
-                # the script's own failure is not a verdict: exit status 1 means "would
-                # OOM", so it must not escape as a traceback (which exits 1 too)
-                traceback.print_exc(file=sys.stderr)
-                raise UsageError(
-                    f"the script failed before calling oomcast.preflight.submit(job):"
-                    f" {type(exc).__name__}: {exc} (traceback above)"
-                ) from None
-    finally:
-        sys.argv, sys.path[:] = argv, path
-    if s.report is None:
-        raise UsageError("the script ended without calling oomcast.preflight.submit(job)")
-    return s.report
+        return preflight_script(path, argv, module=module, **options)
+    except ScriptFailed as exc:
+        # the script's own failure is not a verdict: exit status 1 means "would OOM", so it
+        # must not escape as a traceback (which exits 1 too); the traceback is printed
+        if exc.__cause__ is not None:
+            traceback.print_exception(exc.__cause__, file=sys.stderr)
+        raise UsageError(str(exc)) from None
 
 
 def _find_module(module: str) -> None:

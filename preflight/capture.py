@@ -122,7 +122,7 @@ def _on_device(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
-def _foreach_like_cuda(opt: torch.optim.Optimizer) -> None:
+def foreach_like_cuda(opt: torch.optim.Optimizer) -> None:
     for group in opt.param_groups:
         if "foreach" in group and group["foreach"] is None and not group.get("fused"):
             group["foreach"] = True
@@ -243,7 +243,7 @@ def capture_job(
             model.train()
             optimizer = job.optimizer(model.parameters())
             if target == "cuda":
-                _foreach_like_cuda(optimizer)
+                foreach_like_cuda(optimizer)
             tracker.watch(model)
             result.persistent = tracker.adopt(
                 [*model.parameters(), *model.buffers(), *_state_tensors(optimizer)]
@@ -282,11 +282,11 @@ def _run_schedule(run: _Run, steps: int, evals: int, checkpoints: int) -> None:
 
 
 def _explain(exc: Exception, tracker: PhaseTracker) -> Exception:
-    if isinstance(exc, (CaptureError, ValueError, TypeError)) and not _is_fake_error(exc):
+    if isinstance(exc, (CaptureError, ValueError, TypeError)) and not is_fake_error(exc):
         return exc
     phase, step = tracker.failed_in or (tracker.phase, tracker.step)
     where = f"phase {phase} of step {step}"
-    if _is_fake_error(exc):
+    if is_fake_error(exc):
         return CaptureError(
             f"the job cannot run on fake tensors ({where}): {type(exc).__name__}: {exc}."
             " An operator that needs the data (.item(), .tolist(), nonzero, a Python `if`"
@@ -295,7 +295,7 @@ def _explain(exc: Exception, tracker: PhaseTracker) -> Exception:
     return CaptureError(f"the job failed in {where}: {type(exc).__name__}: {exc}")
 
 
-def _is_fake_error(exc: Exception) -> bool:
+def is_fake_error(exc: Exception) -> bool:
     from torch._subclasses import fake_tensor
 
     names = ("DataDependentOutputException", "DynamicOutputShapeException")

@@ -1,16 +1,18 @@
-"""Script mode: a training script hands its job to preflight with :func:`submit`.
+"""A script may describe its job itself and hand it over with :func:`submit` (optional: a
+script as written is checked without it, ``preflight/script.py``).
 
-``oomcast preflight --gpu H100-80GB -- python train.py ARGS`` runs ``train.py`` in this
-process (``runpy``, with ``sys.argv`` set to ``train.py ARGS``) inside a :class:`Session`.
-When the script calls ``submit(job)``, the session runs the preflight with the command's
-options, keeps the report and stops the script (by raising :class:`PreflightSubmitted`, a
-``BaseException`` so that a script's ``except Exception`` does not swallow it) before it
-trains.
+Under ``oomcast preflight --gpu H100-80GB -- python train.py ARGS`` the script runs inside
+a :class:`Session`. When it calls ``submit(job)``, the session keeps the job and stops the
+script (by raising :class:`PreflightSubmitted`, a ``BaseException`` so that a script's
+``except Exception`` does not swallow it) before it trains; the job is then checked with the
+command's options.
 
 Outside ``oomcast preflight``, ``submit(job)`` runs a preflight, prints the report to stderr
 and returns it; the script goes on (to stop on a bad verdict, test ``report.fits``). The
 GPU is ``gpu=`` if given, else ``$OOMCAST_PREFLIGHT_GPU``, else this machine's first CUDA
-device (its total memory less the context allowance).
+device (its total memory less the context allowance). With none of them (a laptop, a CI
+runner) it prints one line saying so and returns None: running the script normally must not
+fail because of preflight.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class PreflightSubmitted(BaseException):  # a signal, not an error
 class Session:
     options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of preflight()
     report: PreflightReport | None = None
+    job: PreflightJob | None = None  # what the script submitted
 
 
 _active: list[Session] = []
@@ -52,19 +55,16 @@ def session(**options: Any) -> Iterator[Session]:
         _active.remove(s)
 
 
-def _local_capacity(context_bytes: int) -> int:
+def _local_capacity(context_bytes: int) -> int | None:
     import torch
 
     if not torch.cuda.is_available():
-        raise ValueError(
-            f"submit() outside `oomcast preflight` needs a GPU to check against: pass gpu=...,"
-            f" set ${GPU_ENV}, or run on a machine with a CUDA device"
-        )
+        return None
     total: int = torch.cuda.get_device_properties(0).total_memory
     return total - context_bytes
 
 
-def submit(job: PreflightJob, **options: Any) -> PreflightReport:
+def submit(job: PreflightJob, **options: Any) -> PreflightReport | None:
     """Hand ``job`` to preflight (see the module docstring for the two behaviours)."""
     from oomcast.preflight.api import preflight
     from oomcast.preflight.gpus import CONTEXT_ALLOWANCE_BYTES
@@ -73,7 +73,8 @@ def submit(job: PreflightJob, **options: Any) -> PreflightReport:
         raise TypeError(f"submit() takes a PreflightJob, not {type(job).__name__}")
     if _active:
         s = _active[-1]
-        s.report = preflight(job, **{**s.options, **options})
+        s.job = job
+        s.options = {**s.options, **options}
         raise PreflightSubmitted
     if "gpu" not in options and "capacity_bytes" not in options:
         env = os.environ.get(GPU_ENV)
@@ -81,7 +82,15 @@ def submit(job: PreflightJob, **options: Any) -> PreflightReport:
             options["gpu"] = env
         else:
             context = options.get("context_bytes", CONTEXT_ALLOWANCE_BYTES)
-            options["capacity_bytes"] = _local_capacity(context)
+            capacity = _local_capacity(context)
+            if capacity is None:
+                print(
+                    f"oomcast preflight: no GPU to check {job.name} against (pass gpu=..., set"
+                    f" ${GPU_ENV} or run on a CUDA machine); skipped",
+                    file=sys.stderr,
+                )
+                return None
+            options["capacity_bytes"] = capacity
     report = preflight(job, **options)
     print(report.text(), file=sys.stderr)
     return report

@@ -270,17 +270,34 @@ def job() -> PreflightJob:
     )
 """
 
+# A training script as users write it: no oomcast in it (preflight runs it as written)
 TRAIN_PY = """\
 import argparse
 
-from mypkg.jobs import job
-
-from oomcast.preflight import submit
+import torch
+from torch import nn
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--lr", type=float, default=1e-3)
-parser.parse_args()
-submit(job())  # inside `oomcast preflight` this runs the preflight and stops the script
+parser.add_argument("--batch-size", type=int, default=16)
+args = parser.parse_args()
+device = "cuda" if torch.cuda.is_available() else "cpu"
+model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).to(device)
+opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+for step in range(1000):
+    x = torch.randn(args.batch_size, 64, device=device)
+    y = torch.randint(0, 8, (args.batch_size,), device=device)
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    print(f"step {step} loss {loss.item():.3f}")
+    if step % 100 == 99:
+        model.eval()
+        with torch.no_grad():
+            model(x)
+        model.train()
+        torch.save(model.state_dict(), "model.pt")
 """
 
 # The README's hook example, cut to a job that runs out of memory: the hook writes the
@@ -311,11 +328,10 @@ def make_mypkg(path: Path) -> None:
     path.mkdir()
     (path / "__init__.py").write_text("")
     (path / "jobs.py").write_text(JOBS_PY)
+    (path / "train.py").write_text(TRAIN_PY)
 
 
 def make_train_py(path: Path) -> None:
-    if not (path.parent / "mypkg").exists():
-        make_mypkg(path.parent / "mypkg")
     path.write_text(TRAIN_PY)
 
 
@@ -462,8 +478,12 @@ RUNS: dict[str, Run] = {
     ),
     "oomcast explain snapshot.pickle --json": Run(inputs=("snapshot.pickle",)),
     "oomcast preflight --gpu H100-80GB --entry mypkg.jobs:job": Run(inputs=("mypkg",), env=ENTRY),
-    "oomcast preflight --gpu A100-40GB --alloc-conf expandable_segments:True"
-    " -- python train.py --lr 3e-4": Run(inputs=("train.py",)),
+    "oomcast preflight --gpu A100-40GB -- python train.py --batch-size 64 --lr 3e-4": Run(
+        inputs=("train.py",)
+    ),
+    "oomcast preflight --gpu H100-80GB --json -- python -m mypkg.train": Run(
+        inputs=("mypkg",), env=ENTRY
+    ),
     "oomcast preflight --gpu L4 --json --plot timeline.png --entry mypkg.jobs:job": Run(
         inputs=("mypkg",), env=ENTRY
     ),

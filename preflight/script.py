@@ -1,0 +1,1078 @@
+"""Preflight a training script as it is written: no ``PreflightJob``, no code change.
+
+``trace_script(path, argv, ...)`` runs the script in this process with fake tensors active
+from its first line, so nothing it builds takes real memory and no GPU is touched, and
+records every allocation on the (emulated) GPU by phase. The phases are inferred from what
+the script calls, not declared:
+
+- ``forward``: from the first top-level module call with grad enabled on a module in
+  ``train()`` mode, through the loss, until ``backward``; the batch moved to the device
+  after an optimizer step counts towards the next step's forward.
+- ``backward``: ``Tensor.backward`` / ``torch.autograd.backward`` / ``torch.autograd.grad``
+  and what follows them (gradient clipping) until the optimizer step.
+- ``optimizer``: ``Optimizer.step`` (PyTorch's global step hooks; the step counter moves on
+  after it).
+- ``eval``: a top-level module call under ``no_grad``/``inference_mode`` or on a module in
+  ``eval()`` mode.
+- ``checkpoint``: ``torch.save`` (which writes nothing here) and ``state_dict()`` calls and
+  what copies their tensors afterwards.
+
+The run stops by itself (a ``BaseException`` raised from PyTorch's optimizer-step hook or
+from ``torch.save``) once ``steps`` optimizer steps, one eval and one checkpoint were seen,
+or after ``steps + extra_steps`` optimizer steps when the script evaluates or saves later
+than that: the first eval is then run by preflight itself (the model's last top-level
+train call again, on new tensors of the same shapes, under ``no_grad`` and ``eval()``), and a
+checkpoint the script did not reach is reported as not seen.
+
+Where the GPU is. Emulated, on every build of torch: every tensor is a fake CPU tensor, and
+device memory is the storages the script *moved* to the GPU (``.cuda()``, ``.to("cuda")``,
+``device="cuda"``, ``Module.to``) and everything computed from them (an operator with a
+device input makes device outputs; a factory inside a forward of a moved module does too).
+``torch.cuda.is_available()`` answers True and ``get_device_properties`` describes the target
+GPU while the script runs, so a script that picks its device with ``"cuda" if
+torch.cuda.is_available() else "cpu"`` takes the GPU path. A real GPU, where there is one,
+is never touched (no CUDA context is made): fake CUDA tensors would need one, and PyTorch's
+module moves swap parameters in place, which fake parameters refuse.
+
+Values. Fake tensors have none. ``loss.item()``, ``.tolist()``, ``float(t)``, a Python ``if``
+on a tensor get a stand-in (False for booleans, 1 for integers, 1.0 for floats) and the
+report names each line that asked, once. A ``DataLoader`` runs in the script's process
+(``num_workers=0``): its worker processes would have to send fake tensors back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import linecache
+import os
+import runpy
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from oomcast.preflight.allocconf import AllocConf, parse_alloc_conf
+from oomcast.preflight.capture import foreach_like_cuda
+from oomcast.preflight.gpus import CONTEXT_ALLOWANCE_BYTES, capacity_for
+from oomcast.preflight.replay import Replayer
+from oomcast.preflight.report import PreflightReport
+from oomcast.preflight.tracker import Listener, PhaseOp, PhaseTracker, StopCapture
+
+EXTRA_STEPS = 20  # optimizer steps past ``steps`` to wait for the script's own eval / save
+TIME_BUDGET_S = 300.0  # wall-clock limit of one traced run
+
+
+# Savers bound by name in libraries the script may have imported already (the names are
+# patched where they are; torch.save is patched on torch)
+_LIGHTNING_CHECKPOINT_MODULES = (
+    "lightning.pytorch.callbacks.model_checkpoint",
+    "pytorch_lightning.callbacks.model_checkpoint",
+)
+_SAVERS = (
+    ("safetensors.torch", "save_file"),
+    ("safetensors.torch", "save_model"),
+    ("transformers.modeling_utils", "safe_save_file"),
+    ("transformers.trainer", "safe_save_file"),
+)
+
+
+class ScriptDone(BaseException):  # a signal, not an error: ``except Exception`` lets it by
+    """Raised inside the script when preflight has seen what it needs."""
+
+
+class ScriptFailed(RuntimeError):
+    """The script could not be traced; the message names the line and why."""
+
+
+@dataclass
+class StandIn:
+    """A value-dependent call that got a stand-in value instead of stopping the run."""
+
+    where: str  # file:line
+    code: str  # the line's source
+    dtype: str
+    count: int = 1
+
+
+@dataclass
+class ScriptTrace:
+    """What one traced run of a script recorded."""
+
+    script: str
+    device: str  # the device type the tensors lived on (cpu on a CPU-only torch)
+    ops: list[PhaseOp] = field(default_factory=list)
+    steps_done: int = 0
+    saw_eval: bool = False
+    saw_checkpoint: bool = False
+    eval_synthesized: bool = False
+    checkpoint_allocated: bool = False  # the checkpoint made copies on the GPU
+    stopped_by: str = ""  # why the run ended: done, extra_steps, time, oom, script_ended
+    batch_size: int | None = None
+    stand_ins: list[StandIn] = field(default_factory=list)
+    internal_stand_ins: int = 0  # value reads inside torch itself that got a stand-in
+    notes: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+
+class ScriptTracker(PhaseTracker):  # type: ignore[no-untyped-call]  # torch: unannotated
+    """A :class:`PhaseTracker` that knows which CPU storages stand for device memory and
+    gives value-dependent calls a stand-in instead of failing."""
+
+    def __init__(self, listener: Listener | None, script: str) -> None:
+        super().__init__("cpu", listener)  # device storages are the marked CPU ones
+        self.forced = 0  # > 0: every tensor made now is device memory (a move, a factory)
+        self.script = script
+        self.stand_ins: dict[str, StandIn] = {}
+        self.internal_stand_ins = 0
+        self.step = 0
+        self.phase = "forward"  # until the first step: what the script moves is its batch
+        self.started = False  # a module call has run: moved modules are no longer "persistent"
+
+    def is_device(self, t: torch.Tensor) -> bool:
+        if t.device.type != "cpu" or t.is_sparse:
+            return False
+        return t.untyped_storage()._cdata in self._live
+
+    def mark(self, t: torch.Tensor, phase: str | None = None) -> None:
+        """``t``'s storage is device memory from now on (a module or tensor moved there)."""
+        op = self._see(t, phase or self.phase, self.modules.current)
+        if op is not None:
+            self.ops.append(op)
+            self.tell(op)
+
+    def note_stand_in(self, dtype: str) -> None:
+        """Count a value read at the line that asked (once per line in the report)."""
+        where, code = self._caller()
+        if not where:  # asked inside torch (Adam's step count, a mask check): not the script's
+            self.internal_stand_ins += 1
+            return
+        seen = self.stand_ins.get(where)
+        if seen is None:
+            self.stand_ins[where] = StandIn(where, code, dtype)
+        else:
+            seen.count += 1
+
+    def _stand_in(self, t: torch.Tensor) -> bool | int | float:
+        self.note_stand_in(str(t.dtype).removeprefix("torch."))
+        if t.dtype == torch.bool:
+            return False
+        return 1.0 if (t.dtype.is_floating_point or t.dtype.is_complex) else 1
+
+    def _caller(self) -> tuple[str, str]:
+        """The line that asked for a value: the innermost frame outside oomcast, or ("", "")
+        when that frame is inside torch itself."""
+        ours = os.path.dirname(os.path.dirname(__file__))
+        theirs = os.path.dirname(torch.__file__)
+        machinery = tuple(
+            os.path.join(theirs, *part.split("/"))
+            for part in ("_compile.py", "_dynamo/", "utils/_python_dispatch.py", "_subclasses/")
+        )
+        for frame in reversed(traceback.extract_stack()):
+            if frame.filename.startswith((ours, *machinery)):
+                continue
+            if frame.filename.startswith(theirs):
+                return "", ""
+            line = frame.line or linecache.getline(frame.filename, frame.lineno or 0)
+            return f"{frame.filename}:{frame.lineno}", line.strip()
+        return "", ""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return self._stand_in(args[0])
+        try:
+            out = func(*args, **(kwargs or {}))
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = (self.phase, self.step)
+            raise
+        if self.untracked:
+            return out
+        inputs = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, torch.Tensor)]
+        on_device = (
+            self.forced > 0
+            or any(self.is_device(a) for a in inputs)
+            or (not inputs and bool(self.modules.current))
+        )
+        if on_device:
+            module = self.modules.current
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    op = self._see(t, self.phase, module)
+                    if op is not None:
+                        self.ops.append(op)
+                        self.tell(op)
+        return out
+
+
+def _is_cuda(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.split(":")[0] == "cuda"
+    if isinstance(value, torch.device):
+        return value.type == "cuda"
+    return isinstance(value, int) and not isinstance(value, bool)  # .cuda(0) / .to(0)
+
+
+class _Moves(TorchFunctionMode):
+    """Tensor moves and factories aimed at ``cuda`` make device memory (a move copies, as it
+    would to a GPU); a device tensor moved back to the CPU is a host copy."""
+
+    def __init__(self, tracker: ScriptTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        t = self.tracker
+        if func is torch.Tensor.cuda:
+            return self._move(args[0], {})
+        if func is torch.Tensor.cpu and t.is_device(args[0]):
+            return self._to_host(args[0], {})
+        if func is torch.Tensor.to:
+            target, rest = _to_target(args[1:], kwargs)
+            if target is not None:
+                return self._move(args[0], rest)
+            if _is_cpu(_device_arg(args[1:], kwargs)) and t.is_device(args[0]):
+                return self._to_host(args[0], rest)
+            return func(*args, **kwargs)
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = torch.device("cpu")
+            t.forced += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                t.forced -= 1
+        return func(*args, **kwargs)
+
+    def _to_host(self, src: torch.Tensor, rest: dict[str, Any]) -> torch.Tensor:
+        """A device tensor copied to host memory: a new storage the GPU does not hold."""
+        with self.tracker.host_memory():
+            out = src.to(**rest) if rest else src
+            return (
+                out.clone() if out.untyped_storage()._cdata == src.untyped_storage()._cdata else out
+            )
+
+    def _move(self, src: torch.Tensor, rest: dict[str, Any]) -> torch.Tensor:
+        t = self.tracker
+        if t.is_device(src):
+            return src.to(**rest) if rest else src
+        t.forced += 1
+        try:
+            out = src.to(**rest) if rest else src
+            if out.untyped_storage()._cdata == src.untyped_storage()._cdata:
+                out = out.clone()
+        finally:
+            t.forced -= 1
+        return out
+
+
+def _is_cpu(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.split(":")[0] == "cpu"
+    return isinstance(value, torch.device) and value.type == "cpu"
+
+
+def _device_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The device ``Tensor.to`` was given, if any (a device, a string or an int)."""
+    if "device" in kwargs:
+        return kwargs["device"]
+    for a in args:
+        if isinstance(a, (str, torch.device)) or (isinstance(a, int) and not isinstance(a, bool)):
+            return a
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return None
+
+
+def _to_target(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``Tensor.to``'s arguments: (the cuda target or None, the rest as keywords)."""
+    rest = {k: v for k, v in kwargs.items() if k != "device"}
+    target = kwargs.get("device")
+    for a in args:
+        if isinstance(a, torch.dtype):
+            rest["dtype"] = a
+        elif isinstance(a, torch.Tensor):
+            rest["dtype"] = a.dtype
+            if a.device.type == "cuda":
+                target = a.device
+        elif isinstance(a, bool):
+            rest["non_blocking"] = a
+        else:
+            target = a
+    return (target if _is_cuda(target) else None), rest
+
+
+@dataclass
+class _Spec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class _Phases:
+    """Infers the phase from what the script calls (module docstring) and stops the run."""
+
+    def __init__(
+        self, tracker: ScriptTracker, trace: ScriptTrace, steps: int, extra: int, budget_s: float
+    ) -> None:
+        self.t = tracker
+        self.trace = trace
+        self.steps = steps
+        self.extra = extra
+        self.deadline = time.monotonic() + budget_s
+        self.depth = 0
+        self.last_call: tuple[nn.Module, Any, Any] | None = None
+        self.hooked: set[int] = set()
+        self.hf_patched = False
+        self.lightning_patched: set[str] = set()
+        self.in_step = False  # inside Optimizer.step: a closure's backward returns to it
+        self.saver: Callable[..., None] | None = None
+        self.savers_patched: set[tuple[str, str]] = set()
+        self.restore: list[Callable[[], None]] = []  # undoes patches made during the run
+        self.handles: list[Any] = []  # per-module hooks, removed when the run ends
+
+    # -- module calls ---------------------------------------------------------------------
+    def pre(self, module: nn.Module, args: Any) -> None:
+        self.depth += 1
+        if self.depth != 1:
+            return
+        self.t.started = True
+        train = module.training and torch.is_grad_enabled()
+        train = train and not torch.is_inference_mode_enabled()
+        if not train:
+            self._enter("eval")
+            self.trace.saw_eval = True
+            return
+        self._enter("forward")
+        # PyTorch's global hooks see positional arguments only; a model called with keywords
+        # (Hugging Face's ``model(**batch)``) is heard from its own hook from its 2nd call on
+        if id(module) not in self.hooked:
+            self.hooked.add(id(module))
+            self.handles.append(module.register_forward_pre_hook(self.remember, with_kwargs=True))
+            self.remember(module, args, {})
+
+    def remember(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        """The top-level train call's shapes: the batch size, and the eval preflight runs
+        itself when the script runs none."""
+        if self.depth != 1 or self.t.phase != "forward":
+            return
+        if self.trace.batch_size is None:
+            first = next(
+                (a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)),
+                None,
+            )
+            if first is not None and first.dim() > 0:
+                self.trace.batch_size = int(first.shape[0])
+        if args or kwargs:
+            self.last_call = (module, tree_map(_spec, args), tree_map(_spec, kwargs))
+
+    def post(self, module: nn.Module, args: Any, *rest: Any) -> None:
+        self.depth -= 1
+
+    # -- the rest of a step -----------------------------------------------------------------
+    def _enter(self, phase: str) -> None:
+        self.t.phase = phase
+        done = self.trace.steps_done
+        # an eval or a checkpoint belongs to the step it follows (as in capture_job)
+        self.t.step = max(done - 1, 0) if phase in ("eval", "checkpoint") else done
+
+    def train_mode(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def train(module: nn.Module, mode: bool = True) -> Any:
+            if not mode and self.depth == 0:
+                self._enter("eval")  # model.eval(): what follows (the eval batch) is eval
+            return fn(module, mode)
+
+        return train
+
+    def backward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            self._enter("backward")
+            out = fn(*args, **kwargs)
+            if self.in_step:  # optimizer.step(closure): the closure is done, the step goes on
+                self._enter("optimizer")
+            return out
+
+        return wrapped
+
+    def optimizer_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self._enter("optimizer")
+        self.in_step = True
+        # PyTorch picks the foreach implementation for CUDA parameters (its temporaries span
+        # all parameters at once); for the CPU tensors here it would not, so ask for it
+        foreach_like_cuda(opt)
+
+    def optimizer_post(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self.trace.steps_done += 1
+        self.t.step = self.trace.steps_done
+        self.t.phase = "forward"  # the next batch's move belongs to the next step
+        self.in_step = False
+        self.patch_savers()
+        self._hf_schedule()
+        self._lightning_schedule()
+        self.maybe_stop()
+
+    def _lightning_schedule(self) -> None:
+        """Lightning saves at the end of an epoch (``ModelCheckpoint``) and validates at the
+        start (its sanity check) and per ``val_check_interval``. After the ``steps``-th
+        optimizer step the trainer saves a checkpoint through its own ``save_checkpoint``
+        (what ``ModelCheckpoint`` calls), if it has not saved yet."""
+        phases = self
+        for name in _LIGHTNING_CHECKPOINT_MODULES:
+            mod = sys.modules.get(name)
+            cls = getattr(mod, "ModelCheckpoint", None)
+            if cls is None or name in self.lightning_patched:
+                continue
+            self.lightning_patched.add(name)
+            orig = cls.on_train_batch_end
+
+            def on_train_batch_end(
+                self: Any,
+                trainer: Any,
+                *args: Any,
+                _orig: Any = orig,
+                _phases: _Phases = phases,
+                **kwargs: Any,
+            ) -> None:
+                _orig(self, trainer, *args, **kwargs)
+                tr = _phases.trace
+                if tr.steps_done >= _phases.steps and not tr.saw_checkpoint:
+                    with tempfile.TemporaryDirectory(prefix="oomcast-preflight-") as tmp:
+                        # torch.save writes nothing here: the file Lightning makes is empty
+                        trainer.save_checkpoint(os.path.join(tmp, "preflight.ckpt"))
+
+            cls.on_train_batch_end = on_train_batch_end
+            self.restore.append(functools.partial(setattr, cls, "on_train_batch_end", orig))
+
+    def patch_savers(self) -> None:
+        """safetensors' savers, where the script's libraries bound them, save like
+        ``torch.save`` here: nothing is written. Called again after each optimizer step, for
+        libraries imported since."""
+        if self.saver is None:
+            return
+        for mod_name, attr in _SAVERS:
+            mod = sys.modules.get(mod_name)
+            if mod is None or (mod_name, attr) in self.savers_patched or not hasattr(mod, attr):
+                continue
+            self.savers_patched.add((mod_name, attr))
+            orig = getattr(mod, attr)
+            setattr(mod, attr, self.saver)
+            self.restore.append(functools.partial(setattr, mod, attr, orig))
+
+    def _hf_schedule(self) -> None:
+        """A Hugging Face ``Trainer`` runs its own eval and checkpoint right after the
+        ``steps``-th optimizer step (its ``eval_steps``/``save_steps`` may say 500): its
+        callback handler's ``on_step_end`` asks for them, as a callback may. Only what the
+        run's arguments enable (an ``eval_strategy`` or ``save_strategy`` of "no" stays)."""
+        mod = sys.modules.get("transformers.trainer_callback")
+        handler = getattr(mod, "CallbackHandler", None)
+        if handler is None or self.hf_patched:
+            return
+        self.hf_patched = True
+        orig = handler.on_step_end
+        phases = self
+
+        def on_step_end(self: Any, args: Any, state: Any, control: Any) -> Any:
+            control = orig(self, args, state, control)
+            tr = phases.trace
+            if tr.steps_done >= phases.steps:
+                if not tr.saw_eval and _strategy(args, "eval_strategy") != "no":
+                    control.should_evaluate = True
+                if not tr.saw_checkpoint and _strategy(args, "save_strategy") != "no":
+                    control.should_save = True
+            return control
+
+        handler.on_step_end = on_step_end
+        self.restore.append(lambda: setattr(handler, "on_step_end", orig))
+        trainer = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
+        if trainer is not None:
+            # Its checkpoint copies the model and optimizer state to host memory (nothing on
+            # the GPU) and then checks for shared storages by address, which fake tensors do
+            # not have: it is seen, and not written.
+            orig_save = trainer._save_checkpoint
+
+            def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> None:
+                phases.checkpoint()
+                phases.stop_if_seen()
+
+            trainer._save_checkpoint = _save_checkpoint
+            self.restore.append(lambda: setattr(trainer, "_save_checkpoint", orig_save))
+
+    def checkpoint(self) -> None:
+        self._enter("checkpoint")
+        self.trace.saw_checkpoint = True
+
+    def stop_if_seen(self) -> None:
+        """At a checkpoint: stop if the steps and an eval were seen too."""
+        if self.trace.steps_done >= self.steps and self.trace.saw_eval:
+            self.trace.stopped_by = "done"
+            raise ScriptDone
+
+    def maybe_stop(self) -> None:
+        tr = self.trace
+        if time.monotonic() > self.deadline:
+            tr.stopped_by = "time"
+            raise ScriptDone
+        if tr.steps_done >= self.steps and tr.saw_eval and tr.saw_checkpoint:
+            tr.stopped_by = "done"
+            raise ScriptDone
+        if tr.steps_done >= self.steps + self.extra:
+            tr.stopped_by = "extra_steps"
+            raise ScriptDone
+
+    def synthesize_eval(self) -> bool:
+        """The script's model called once more, as an eval, on new tensors of its last train
+        call's shapes. False when there was no train call to repeat."""
+        if self.last_call is None:
+            return False
+        module, args, kwargs = self.last_call
+        self._enter("eval")
+        was = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                out = module(*tree_map(self._make, args), **tree_map(self._make, kwargs))
+                del out
+        finally:
+            module.train(was)
+        return True
+
+    def _make(self, x: Any) -> Any:
+        if not isinstance(x, _Spec):
+            return x
+        self.t.forced += 1
+        try:
+            return torch.zeros(x.shape, dtype=x.dtype)
+        finally:
+            self.t.forced -= 1
+
+
+def _numpy_stand_in(tracker: ScriptTracker, orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``Tensor.numpy()`` of a fake tensor: zeros of its shape and dtype that take no memory
+    (a read-only broadcast view), noted like any other value read."""
+
+    def numpy(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        if not isinstance(self, FakeTensor):
+            return orig(self, *args, **kwargs)
+        import numpy as np
+
+        tracker.note_stand_in(str(self.dtype).removeprefix("torch."))
+        with unset_fake_temporarily():  # a dtype numpy lacks (bfloat16) fails as it would
+            dtype = orig(torch.empty((), dtype=self.dtype)).dtype
+        return np.broadcast_to(np.zeros((), dtype=dtype), tuple(self.shape))
+
+    return numpy
+
+
+def _fake_deepcopy(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``copy.deepcopy`` of a fake tensor (a metric's state, an EMA model, a state-dict copy):
+    a clone, as the real deepcopy makes; PyTorch's own copies the storage through the CPU,
+    which a fake (meta) tensor refuses."""
+
+    def __deepcopy__(self: torch.Tensor, memo: dict[int, Any]) -> Any:
+        from torch._subclasses.fake_tensor import is_fake
+
+        if not is_fake(self):
+            return orig(self, memo)
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new: torch.Tensor = self.detach().clone()
+        if isinstance(self, nn.Parameter):
+            new = nn.Parameter(new, requires_grad=self.requires_grad)
+        else:
+            new.requires_grad_(self.requires_grad)
+        memo[id(self)] = new
+        return new
+
+    return __deepcopy__
+
+
+def _strategy(args: Any, name: str) -> str:
+    value = getattr(args, name, None)
+    if value is None and name == "eval_strategy":  # transformers before 4.41
+        value = getattr(args, "evaluation_strategy", "no")
+    return str(getattr(value, "value", value)).lower()
+
+
+def _spec(x: Any) -> Any:
+    return _Spec(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+
+
+class _FakeProps:
+    def __init__(self, name: str, total: int) -> None:
+        self.name = name
+        self.total_memory = total
+        self.major, self.minor = 9, 0
+        self.multi_processor_count = 132
+        self.is_integrated = False
+        self.is_multi_gpu_board = False
+
+    def __repr__(self) -> str:
+        return f"_CudaDeviceProperties(name='{self.name}', total_memory={self.total_memory})"
+
+
+@contextlib.contextmanager
+def _patched(target: Any, name: str, value: Any) -> Iterator[None]:
+    before = getattr(target, name)
+    setattr(target, name, value)
+    try:
+        yield
+    finally:
+        setattr(target, name, before)
+
+
+@contextlib.contextmanager
+def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[None]:
+    """``torch.cuda`` as a script sees it on the target GPU; the memory figures are the
+    traced ones."""
+    cuda = torch.cuda
+
+    noop: Callable[..., None] = lambda *a, **k: None  # noqa: E731
+    patches = {
+        "is_available": lambda: True,
+        "device_count": lambda: 1,
+        "current_device": lambda: 0,
+        "get_device_name": lambda *a, **k: gpu,
+        "get_device_properties": lambda *a, **k: _FakeProps(gpu, total),
+        "get_device_capability": lambda *a, **k: (9, 0),
+        "is_bf16_supported": lambda *a, **k: True,
+        "mem_get_info": lambda *a, **k: (total, total),
+        "set_device": noop,
+        "synchronize": noop,
+        "empty_cache": noop,
+        "manual_seed": noop,
+        "manual_seed_all": noop,
+        "reset_peak_memory_stats": noop,
+        "memory_allocated": lambda *a, **k: 0,
+        "max_memory_allocated": lambda *a, **k: 0,
+        "memory_reserved": lambda *a, **k: 0,
+        "max_memory_reserved": lambda *a, **k: 0,
+    }
+    with contextlib.ExitStack() as stack:
+        for name, value in patches.items():
+            if hasattr(cuda, name):
+                stack.enter_context(_patched(cuda, name, value))
+        yield
+
+
+def _convert(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``module``'s floating-point parameters and buffers in ``dtype``, by replacing them
+    (fake parameters refuse ``Module._apply``'s in-place swap). A parameter shared by two
+    modules (tied embeddings) stays shared."""
+    memo: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for key, p in m._parameters.items():
+            if p is None or not p.is_floating_point() or p.dtype == dtype:
+                continue
+            new = memo.get(id(p))
+            if new is None:
+                with torch.no_grad():
+                    new = memo[id(p)] = nn.Parameter(p.to(dtype), requires_grad=p.requires_grad)
+            m._parameters[key] = new
+        for key, buf in m._buffers.items():
+            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                m._buffers[key] = buf.to(dtype)
+    return module
+
+
+def _module_moves(tracker: ScriptTracker) -> contextlib.AbstractContextManager[None]:
+    """On a CPU-only torch every tensor stays on the CPU: ``Module.to("cuda")`` / ``.cuda()``
+    make the module's tensors device memory in place, ``.to("cpu")`` / ``.cpu()`` leave it
+    alone, and dtype conversions (``.half()``, ``.to(torch.bfloat16)``) replace the
+    parameters (``_convert``)."""
+
+    def adopt(module: nn.Module) -> None:
+        tracker.modules.watch(module)
+        for t in [*module.parameters(), *module.buffers()]:
+            tracker.mark(t, None if tracker.started else "persistent")
+
+    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        dev, dtype, _, _fmt = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None:
+            _convert(self, dtype)
+        if dev is not None and dev.type == "cuda":
+            adopt(self)
+        return self
+
+    def cuda(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        adopt(self)
+        return self
+
+    def keep(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        return self
+
+    def as_dtype(dtype: torch.dtype) -> Callable[[nn.Module], nn.Module]:
+        return lambda self: _convert(self, dtype)
+
+    return _swap(
+        nn.Module,
+        {
+            "to": to,
+            "cuda": cuda,
+            "cpu": keep,
+            "half": as_dtype(torch.float16),
+            "bfloat16": as_dtype(torch.bfloat16),
+            "float": as_dtype(torch.float32),
+            "double": as_dtype(torch.float64),
+        },
+    )
+
+
+@contextlib.contextmanager
+def _swap(target: Any, values: dict[str, Any]) -> Iterator[None]:
+    before = {k: getattr(target, k) for k in values}
+    for k, v in values.items():
+        setattr(target, k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            setattr(target, k, v)
+
+
+def _in_process_loader() -> Any:
+    from torch.utils.data import DataLoader
+
+    orig = DataLoader.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        # positional num_workers is the 6th argument of DataLoader(dataset, batch_size,
+        # shuffle, sampler, batch_sampler, num_workers, ...)
+        if len(args) > 5:
+            args = (*args[:5], 0, *args[6:])
+        kwargs["num_workers"] = 0
+        kwargs.pop("prefetch_factor", None)
+        kwargs["persistent_workers"] = False
+        kwargs["pin_memory"] = False
+        orig(self, *args, **kwargs)
+
+    return _swap(DataLoader, {"__init__": init})
+
+
+def trace_script(
+    path: str | None,
+    argv: list[str],
+    *,
+    module: str | None = None,
+    gpu: str = "GPU",
+    total_bytes: int,
+    steps: int = 3,
+    extra_steps: int = EXTRA_STEPS,
+    time_budget_s: float = TIME_BUDGET_S,
+    listener: Listener | None = None,
+    on_submit: Callable[[BaseException], Any] | None = None,
+) -> ScriptTrace:
+    """Run the script at ``path`` (or ``-m module``) with ``argv`` as its arguments under
+    fake tensors and record it (module docstring). ``listener`` sees each op as it happens
+    and may end the run with :class:`~oomcast.preflight.tracker.StopCapture` (an OOM in the
+    replay). Raises :class:`ScriptFailed` when the script fails for a reason of its own."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, not {steps}")
+    name = path if path is not None else f"-m {module}"
+    trace = ScriptTrace(script=name, device="cpu")
+    tracker = ScriptTracker(listener, name)
+    phases = _Phases(tracker, trace, steps, extra_steps, time_budget_s)
+    started = time.monotonic()
+    handles: list[Any] = []
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = [path if path is not None else str(module), *argv]
+    if path is not None:
+        sys.path.insert(0, str(Path(path).resolve().parent))
+
+    orig_sd = nn.Module.state_dict
+    orig_opt_sd = torch.optim.Optimizer.state_dict
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        phases.checkpoint()  # torch.save copies device tensors to host: nothing on the GPU
+        phases.stop_if_seen()
+        phases._enter("forward")  # what comes next is the next step's batch
+
+    # A state_dict() taken after training began starts a checkpoint (what copies its tensors
+    # next is the checkpoint's); frameworks also take them while setting up, which is not.
+    def state_dict(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if phases.depth == 0 and trace.steps_done > 0:
+            phases.checkpoint()
+        return orig_sd(self, *args, **kwargs)
+
+    def opt_state_dict(self: torch.optim.Optimizer) -> Any:
+        if trace.steps_done > 0:
+            phases.checkpoint()
+        return orig_opt_sd(self)
+
+    try:
+        with contextlib.ExitStack() as stack:
+            # the script's own output goes to stderr: stdout is the report's (--json)
+            stack.enter_context(contextlib.redirect_stdout(sys.stderr))
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            stack.enter_context(tracker)
+            stack.enter_context(_Moves(tracker))
+            stack.enter_context(_module_moves(tracker))
+            stack.enter_context(_emulated_cuda(tracker, gpu, total_bytes))
+            stack.enter_context(_in_process_loader())
+            stack.enter_context(_patched(torch, "save", save))
+            phases.saver = save
+            phases.patch_savers()
+            stack.enter_context(
+                _swap(
+                    nn.Module,
+                    {"state_dict": state_dict, "train": phases.train_mode(nn.Module.train)},
+                )
+            )
+            stack.enter_context(_swap(torch.optim.Optimizer, {"state_dict": opt_state_dict}))
+            stack.enter_context(
+                _swap(
+                    torch.Tensor,
+                    {
+                        "backward": phases.backward(torch.Tensor.backward),
+                        "numpy": _numpy_stand_in(tracker, torch.Tensor.numpy),
+                        "__deepcopy__": _fake_deepcopy(torch.Tensor.__deepcopy__),
+                    },
+                )
+            )
+            stack.enter_context(
+                _swap(nn.Parameter, {"__deepcopy__": _fake_deepcopy(nn.Parameter.__deepcopy__)})
+            )
+            stack.enter_context(
+                _patched(torch.autograd, "backward", phases.backward(torch.autograd.backward))
+            )
+            stack.enter_context(
+                _patched(torch.autograd, "grad", phases.backward(torch.autograd.grad))
+            )
+            handles += [
+                nn.modules.module.register_module_forward_pre_hook(phases.pre),
+                nn.modules.module.register_module_forward_hook(phases.post),
+                register_optimizer_step_pre_hook(phases.optimizer_pre),
+                register_optimizer_step_post_hook(phases.optimizer_post),
+            ]
+            _run_main(path, module, trace, tracker, on_submit)
+            if not tracker.stopped and trace.stopped_by != "submitted" and not trace.saw_eval:
+                try:
+                    trace.eval_synthesized = phases.synthesize_eval()
+                except StopCapture:
+                    trace.stopped_by = "oom"
+            tracker.phase = "teardown"
+    finally:
+        for h in [*handles, *phases.handles]:
+            h.remove()
+        for undo in phases.restore:
+            undo()
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        trace.ops = tracker.ops
+        tracker.close()
+    trace.stand_ins = list(tracker.stand_ins.values())
+    trace.checkpoint_allocated = any(op.alloc and op.phase == "checkpoint" for op in trace.ops)
+    trace.internal_stand_ins = tracker.internal_stand_ins
+    trace.elapsed_s = time.monotonic() - started
+    return trace
+
+
+def _run_main(
+    path: str | None,
+    module: str | None,
+    trace: ScriptTrace,
+    tracker: ScriptTracker,
+    on_submit: Callable[[BaseException], Any] | None,
+) -> None:
+    """Run the script's ``__main__`` and say in ``trace.stopped_by`` how it ended."""
+    name = trace.script
+    try:
+        if path is not None:
+            runpy.run_path(path, run_name="__main__")
+        else:
+            runpy.run_module(str(module), run_name="__main__", alter_sys=True)
+        trace.stopped_by = trace.stopped_by or "script_ended"
+    except ScriptDone:
+        pass
+    except StopCapture:
+        trace.stopped_by = "oom"
+    except SystemExit as exc:
+        if tracker.stopped:
+            trace.stopped_by = "oom"
+        elif exc.code not in (None, 0):
+            raise ScriptFailed(
+                f"{name} exited with status {exc.code} after {trace.steps_done}"
+                " optimizer steps under preflight"
+            ) from None
+        else:
+            trace.stopped_by = "script_ended"
+    except BaseException as exc:
+        if tracker.stopped:
+            trace.stopped_by = "oom"
+        elif on_submit is not None and on_submit(exc):
+            trace.stopped_by = "submitted"
+        elif isinstance(exc, KeyboardInterrupt):
+            raise
+        else:
+            raise ScriptFailed(_explain(exc, name, tracker)) from exc
+
+
+def _explain(exc: BaseException, name: str, tracker: ScriptTracker) -> str:
+    """Where the script failed, by its own line, and whether fake tensors were the cause."""
+    from oomcast.preflight.capture import is_fake_error
+
+    ours = os.path.dirname(os.path.dirname(__file__))
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith((os.path.dirname(torch.__file__), ours))
+        and not f.filename.endswith("runpy.py")
+    ]
+    where = ""
+    if frames:
+        f = frames[-1]
+        where = f" at {f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
+    phase, step = tracker.failed_in or (tracker.phase, tracker.step)
+    if isinstance(exc, Exception) and is_fake_error(exc):
+        why = (
+            "this operator's output shape depends on tensor values (nonzero, boolean-mask"
+            " indexing, unique), which fake tensors do not have"
+        )
+        return (
+            f"{name} cannot run on fake tensors{where}, in phase {phase} of step {step}:"
+            f" {why} ({type(exc).__name__}). Nothing ran on the GPU."
+        )
+    return (
+        f"{name} failed{where}, in phase {phase} of step {step}, before preflight had seen"
+        f" what it needs: {type(exc).__name__}: {exc}. Nothing ran on the GPU."
+    )
+
+
+def preflight_script(
+    path: str | None,
+    argv: list[str],
+    *,
+    module: str | None = None,
+    gpu: str | None = None,
+    capacity_bytes: int | None = None,
+    alloc_conf: str | AllocConf | None = None,
+    steps: int = 3,
+    context_bytes: int = CONTEXT_ALLOWANCE_BYTES,
+    remedies: bool = True,
+    extra_steps: int = EXTRA_STEPS,
+    time_budget_s: float = TIME_BUDGET_S,
+) -> PreflightReport:
+    """Will the script fit ``gpu``? Traced as written (:func:`trace_script`), replayed as it
+    runs through the caching-allocator simulator; a script that calls ``submit(job)`` is
+    checked by its job instead (``preflight()``, with remedies)."""
+    from oomcast.preflight.api import preflight
+    from oomcast.preflight.session import PreflightSubmitted, session
+
+    label, capacity, total = capacity_for(gpu, capacity_bytes, context_bytes)
+    conf = alloc_conf if isinstance(alloc_conf, AllocConf) else parse_alloc_conf(alloc_conf)
+    rep = Replayer(capacity, conf, total)
+    with session() as s:
+        trace = trace_script(
+            path,
+            argv,
+            module=module,
+            gpu=label,
+            total_bytes=total or capacity,
+            steps=steps,
+            extra_steps=extra_steps,
+            time_budget_s=time_budget_s,
+            listener=rep.listen,
+            on_submit=lambda exc: isinstance(exc, PreflightSubmitted),
+        )
+    if trace.stopped_by != "submitted" and trace.stopped_by != "oom" and not trace.ops:
+        raise ScriptFailed(
+            f"{trace.script} ended after {trace.steps_done} optimizer step(s) with nothing put on"
+            " the GPU: nothing to check (does it train when run with these arguments?)"
+        )
+    if trace.stopped_by == "submitted" and s.job is not None:
+        options = {
+            "gpu": gpu,
+            "capacity_bytes": capacity_bytes,
+            "alloc_conf": conf,
+            "steps": steps,
+            "context_bytes": context_bytes,
+            "remedies": remedies,
+            **{k: v for k, v in s.options.items() if k != "device"},
+        }
+        return preflight(s.job, **options)
+    report = PreflightReport(
+        job=Path(path).name if path is not None else f"-m {module}",
+        gpu=label,
+        capacity_bytes=capacity,
+        total_bytes=total,
+        alloc_conf=conf.to_string(),
+        batch_size=trace.batch_size or 0,
+        device=trace.device,
+        steps=trace.steps_done,
+        replay=rep.result,
+    )
+    report.notes += script_notes(trace, steps, extra_steps)
+    report.notes.append(
+        "the GPU is emulated on fake CPU tensors (no GPU is touched): CUDA-only kernels and"
+        " their workspaces (cuDNN, cuBLAS, flash attention) are not seen"
+    )
+    if remedies and not rep.result.fits:
+        report.notes.append(
+            "remedies are searched for jobs described with a PreflightJob; for a script as"
+            " written, rerun with a smaller batch (the script's own argument)"
+        )
+    for key in conf.ignored():
+        report.notes.append(f"{key} is accepted but not modelled (see docs/preflight.md)")
+    return report
+
+
+def script_notes(trace: ScriptTrace, steps: int, extra_steps: int) -> list[str]:
+    """What the report must say about how the traced run went."""
+    notes = [
+        f"ran the script as written on fake tensors for {trace.steps_done} optimizer"
+        f" step(s) in {trace.elapsed_s:.1f} s ({_STOPS.get(trace.stopped_by, trace.stopped_by)})"
+    ]
+    if trace.steps_done == 0 and trace.stopped_by != "oom":
+        notes.append(
+            "no optimizer step was seen: the train phases are not checked (does the script"
+            " train under this entry point and these arguments?)"
+        )
+    if trace.eval_synthesized:
+        notes.append(
+            f"the script ran no eval in its first {trace.steps_done} steps: preflight ran the"
+            " model's last train call again under no_grad and eval() (an eval batch of another"
+            " size is not seen)"
+        )
+    elif not trace.saw_eval and trace.stopped_by != "oom":
+        notes.append("no eval was seen and none could be run: the eval phase is not checked")
+    if trace.saw_checkpoint and not trace.checkpoint_allocated:
+        notes.append(
+            "the script's checkpoint put nothing new on the GPU (torch.save copies each tensor"
+            " to host memory)"
+        )
+    if not trace.saw_checkpoint and trace.stopped_by != "oom":
+        notes.append(
+            f"no checkpoint in the first {trace.steps_done} steps: the checkpoint phase is not"
+            " checked (torch.save itself copies to host memory; copies on the GPU are the risk)"
+        )
+    for s in trace.stand_ins:
+        times = "" if s.count == 1 else f" ({s.count} times)"
+        notes.append(
+            f"{s.where}: `{s.code}` reads a tensor's value; fake tensors have none, so it got"
+            f" a stand-in ({s.dtype}){times}"
+        )
+    return notes
+
+
+_STOPS = {
+    "done": "it had run the steps, an eval and a checkpoint",
+    "extra_steps": f"no eval or checkpoint came within {EXTRA_STEPS} more steps",
+    "time": "the time budget ran out",
+    "oom": "the replay ran out of memory",
+    "script_ended": "the script ended",
+}

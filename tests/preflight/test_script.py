@@ -1,0 +1,316 @@
+"""Preflight of training scripts as written (preflight/script.py): no PreflightJob, no
+submit(), the script's own loop, eval and torch.save; run on fake tensors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from support import oomcast_cmd
+
+from oomcast.bench.preflight.scripts_gpu import SCRIPTS as EXAMPLES
+from oomcast.cli.main import main
+from oomcast.preflight.script import ScriptFailed, preflight_script
+
+WIDTH, CLASSES = 2048, 10
+PARAM_SIZES = [4 * n for n in (WIDTH * WIDTH, WIDTH, WIDTH * CLASSES, CLASSES)]
+PARAM_BYTES = sum(PARAM_SIZES)
+# what the caching allocator counts: each block rounded up to 512 bytes
+PARAM_BLOCK_BYTES = sum(-(-n // 512) * 512 for n in PARAM_SIZES)
+
+PLAIN = textwrap.dedent(
+    f"""
+    import argparse
+    import torch
+    from torch import nn
+    import torch.nn.functional as F
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--eval-every", type=int, default=2)
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = nn.Sequential(nn.Linear({WIDTH}, {WIDTH}), nn.ReLU(), nn.Linear({WIDTH}, {CLASSES}))
+    model = model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(1000):
+        x = torch.randn(args.batch_size, {WIDTH}).to(device)
+        y = torch.randint(0, {CLASSES}, (args.batch_size,)).to(device)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        print("loss", loss.item())
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            model.eval()
+            with torch.no_grad():
+                xe = torch.randn(4 * args.batch_size, {WIDTH}, device=device)
+                acc = (model(xe).argmax(-1) == 0).float().mean()
+            model.train()
+            torch.save({{"model": model.state_dict(), "opt": opt.state_dict()}}, args.out)
+    """
+)
+ITEM_LINE = 1 + PLAIN.splitlines().index('    print("loss", loss.item())')
+
+
+def _script(tmp_path: Path, text: str, name: str = "train.py") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_a_plain_script_is_checked_as_written(tmp_path: Path) -> None:
+    script = _script(tmp_path, PLAIN)
+    out = tmp_path / "ckpt.pt"
+    report = preflight_script(str(script), ["--out", str(out)], gpu="T4", steps=3)
+    phases = {(p.step, p.phase): p for p in report.replay.phases}
+    assert {ph for _, ph in phases} >= {"forward", "backward", "optimizer", "eval"}
+    # evals and saves every 2 steps (after step 1): it stops at the end of its 3rd step
+    assert report.steps == 3
+    assert report.batch_size == 8
+    # the model's parameters are what is on the GPU before the first step, to the block
+    assert phases[(-1, "other")].peak_allocated_bytes == PARAM_BLOCK_BYTES
+    # AdamW's first step: parameters, gradients and two moments
+    assert phases[(0, "optimizer")].peak_allocated_bytes >= 4 * PARAM_BYTES
+    assert (1, "eval") in phases
+    # torch.save copies to host memory: the checkpoint is seen but takes nothing on the GPU,
+    # and the next batch is the next step's forward, not the checkpoint's
+    assert not any(ph == "checkpoint" for _, ph in phases)
+    assert any("checkpoint put nothing new on the GPU" in n for n in report.notes)
+    assert not out.exists()  # torch.save wrote nothing
+    assert report.fits and report.device == "cpu"
+    item = [n for n in report.notes if f"train.py:{ITEM_LINE}:" in n]
+    assert item and "loss.item()" in item[0] and "stand-in" in item[0], report.notes
+
+
+def test_a_script_without_an_eval_gets_one_run_for_it(tmp_path: Path) -> None:
+    script = _script(tmp_path, PLAIN)
+    report = preflight_script(
+        str(script),
+        ["--out", str(tmp_path / "c.pt"), "--eval-every", "0"],
+        gpu="T4",
+        steps=2,
+        extra_steps=3,
+    )
+    assert report.steps == 5  # 2 steps, then 3 more waiting for an eval or a save
+    assert any(p.phase == "eval" for p in report.replay.phases)
+    assert not any(p.phase == "checkpoint" for p in report.replay.phases)
+    text = "\n".join(report.notes)
+    assert "preflight ran the model's last train call again" in text
+    assert "the checkpoint phase is not checked" in text
+
+
+def test_the_verdict_follows_the_capacity_and_names_the_phase(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(tmp_path, PLAIN)
+    common = ["--", "python", str(script), "--out", str(tmp_path / "c.pt")]
+    rc = main(["preflight", "--capacity-bytes", str(1 << 30), "--json", *common])
+    obj = json.loads(capsys.readouterr().out)
+    assert rc == 0 and obj["verdict"]["fits"] is True
+    order = [((p["step"], p["phase"]), p["peak_reserved_bytes"]) for p in obj["phases"]]
+    # room for what step 0 reserved up to its backward pass: the first phase that reserved
+    # more in the run that fit is where the run that does not fit must fail
+    room = dict(order)[(0, "backward")]
+    first_over = next(key for key, reserved in order if reserved > room)
+    rc = main(["preflight", "--capacity-bytes", str(room), "--json", *common])
+    obj = json.loads(capsys.readouterr().out)
+    assert rc == 1
+    assert obj["verdict"]["fits"] is False
+    assert (obj["verdict"]["step"], obj["verdict"]["phase"]) == first_over
+    assert first_over == (0, "optimizer")  # AdamW's two moments appear
+
+
+def test_a_wrong_gpu_name_stops_before_the_script_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    marker = tmp_path / "ran"
+    script = _script(tmp_path, f"open({str(marker)!r}, 'w').close()\n" + PLAIN)
+    rc = main(["preflight", "--gpu", "A100", "--", "python", str(script), "--out", "x"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "unknown GPU 'A100'; known: H200" in err and "A100-40GB" in err
+    assert not marker.exists()
+
+
+def test_a_script_that_puts_nothing_on_the_gpu_is_not_a_verdict(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(tmp_path, "print('hello')\n")
+    rc = main(["preflight", "--gpu", "L4", "--", "python", str(script)])
+    assert rc == 2
+    assert "nothing put on the GPU: nothing to check" in capsys.readouterr().err
+
+
+def test_a_failing_script_names_its_own_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(tmp_path, "import torch\nx = torch.ones(3)\nraise KeyError('batch_size')\n")
+    rc = main(["preflight", "--gpu", "T4", "--", "python", str(script)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert f"{script}:3 (`raise KeyError('batch_size')`)" in err
+    assert "KeyError: 'batch_size'" in err and "Traceback" in err
+
+
+def test_a_value_dependent_shape_names_the_line(tmp_path: Path) -> None:
+    text = PLAIN.replace(
+        "    loss = F.cross_entropy(model(x), y)\n",
+        "    x = x[x[:, 0] > 0]\n    loss = F.cross_entropy(model(x), y[: len(x)])\n",
+    )
+    assert "x = x[x[:, 0] > 0]" in text
+    script = _script(tmp_path, text)
+    with pytest.raises(ScriptFailed, match=r"train\.py:\d+ \(`x = x\[x\[:, 0\] > 0\]`\)") as e:
+        preflight_script(str(script), ["--out", str(tmp_path / "c.pt")], gpu="T4")
+    assert "depends on tensor values" in str(e.value)
+
+
+def test_a_dataloader_with_workers_runs_in_the_scripts_process(tmp_path: Path) -> None:
+    text = PLAIN.replace(
+        "for step in range(1000):\n"
+        f"    x = torch.randn(args.batch_size, {WIDTH}).to(device)\n"
+        f"    y = torch.randint(0, {CLASSES}, (args.batch_size,)).to(device)\n",
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        f"data = TensorDataset(torch.randn(512, {WIDTH}), torch.randint(0, {CLASSES}, (512,)))\n"
+        "loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, num_workers=2)\n"
+        "for step, (x, y) in enumerate(loader):\n"
+        "    x, y = x.to(device), y.to(device)\n",
+    )
+    assert "num_workers=2" in text
+    script = _script(tmp_path, text)
+    report = preflight_script(str(script), ["--out", str(tmp_path / "c.pt")], gpu="T4", steps=2)
+    assert report.fits and report.steps == 2 and report.batch_size == 8
+    assert "it had run the steps, an eval and a checkpoint" in report.notes[0]
+
+
+BIG = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+    import torch.nn.functional as F
+
+    D, L, V, T = 6144, 24, 32000, 1024
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n1, self.n2 = nn.LayerNorm(D), nn.LayerNorm(D)
+            self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+            self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+        def forward(self, x):
+            b = x.shape[0]
+            q, k, v = self.qkv(self.n1(x)).view(b, T, 3, 48, D // 48).unbind(2)
+            a = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            )
+            x = x + self.proj(a.transpose(1, 2).reshape(x.shape))
+            return x + self.down(F.gelu(self.up(self.n2(x))))
+
+    blocks = [Block() for _ in range(L)]
+    model = nn.Sequential(nn.Embedding(V, D), *blocks, nn.LayerNorm(D), nn.Linear(D, V)).cuda()
+    print(f"{sum(p.numel() for p in model.parameters()) / 1e9:.1f}B parameters")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for step in range(100):
+        x = torch.randint(0, V, (1, T + 1), device="cuda")
+        loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    """
+)
+
+RSS_OF = (
+    "import resource, subprocess, sys\n"
+    "r = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+    "print(r.stdout, end='')\n"
+    "print(r.stderr, end='', file=sys.stderr)\n"
+    "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
+    "sys.exit(r.returncode)\n"
+)
+
+
+@pytest.mark.slow  # a fresh interpreter with torch
+def test_an_11b_parameter_plain_script_takes_no_real_memory(tmp_path: Path) -> None:
+    """Ordinary module code, no meta device: 11.3 B parameters would take 45 GB in fp32 on
+    this 24 GB machine; under preflight the process stays under 2 GB and gets a verdict."""
+    script = _script(tmp_path, BIG, "big.py")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            RSS_OF,
+            *oomcast_cmd("preflight", "--gpu", "H100-80GB", "--json", "--", "python", str(script)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 1, out.stderr  # its activations do not fit 80 GB beside AdamW
+    assert "11.3B parameters" in out.stderr  # the script's output: stdout is the report's
+    obj = json.loads(out.stdout)
+    params = [p for p in obj["phases"] if p["step"] == -1]
+    assert params and params[0]["peak_allocated_bytes"] > 45e9  # fp32 weights
+    assert obj["verdict"]["fits"] is False
+    rss_kb = int(out.stderr.rsplit("MAXRSS_KB", 1)[1])
+    assert rss_kb < 2 * 1024 * 1024, f"{rss_kb / 1024:.0f} MiB"
+
+
+@pytest.mark.slow  # imports transformers
+def test_an_unmodified_hugging_face_trainer_script(tmp_path: Path) -> None:
+    """Its eval and save come every 50 steps: the Trainer is asked to run both after the 3rd
+    step, through its own loop; the checkpoint is seen and nothing is written."""
+    pytest.importorskip("transformers")
+    script = _script(tmp_path, (EXAMPLES / "hf_trainer.py").read_text())
+    out = tmp_path / "out"
+    report = preflight_script(str(script), [str(out)], gpu="T4", steps=3)
+    seen = {p.phase for p in report.replay.phases}
+    assert seen >= {"forward", "backward", "eval"}, seen
+    assert report.steps == 3 and report.batch_size == 16
+    assert "it had run the steps, an eval and a checkpoint" in report.notes[0], report.notes
+    assert not list(out.glob("checkpoint-*"))  # no checkpoint written
+    assert report.fits
+
+
+@pytest.mark.slow  # imports pytorch_lightning
+def test_an_unmodified_lightning_script(tmp_path: Path) -> None:
+    """Lightning's sanity check is the eval; its checkpoint (at the end of the epoch, 64
+    steps away) is taken through the trainer's own save_checkpoint after the 3rd step; the
+    optimizer runs the training step as a closure, and its phases stay apart."""
+    pytest.importorskip("pytorch_lightning")
+    script = _script(tmp_path, (EXAMPLES / "lightning_mlp.py").read_text())
+    root = tmp_path / "root"
+    report = preflight_script(str(script), [str(root)], gpu="T4", steps=3)
+    phases = {(p.step, p.phase) for p in report.replay.phases}
+    assert {(0, "eval"), (0, "forward"), (0, "backward"), (0, "optimizer")} <= phases, phases
+    assert (2, "optimizer") in phases
+    assert "it had run the steps, an eval and a checkpoint" in report.notes[0], report.notes
+    assert not list(root.rglob("*.ckpt"))
+    assert report.fits and report.batch_size == 32
+
+
+def test_moves_to_and_from_the_gpu_are_what_the_gpu_holds() -> None:
+    """A move to cuda copies into device memory (once, however often it is asked); whatever
+    is computed from device tensors is device memory; a copy back to the CPU is not."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from oomcast.preflight.script import ScriptTracker, _Moves
+
+    with FakeTensorMode(allow_non_fake_inputs=True), ScriptTracker(None, "t") as t, _Moves(t):
+        host = torch.randn(256, 256)
+        assert not t.ops  # made on the host
+        dev = host.to("cuda")
+        assert t.is_device(dev) and not t.is_device(host)
+        assert [op.size for op in t.ops] == [256 * 256 * 4]
+        assert dev.cuda() is dev and dev.to("cuda:0") is dev  # already there: no copy
+        assert t.is_device(dev * 2) and t.is_device(torch.zeros(3, device="cuda"))
+        back = [dev.cpu(), dev.to("cpu"), dev.to("cpu", torch.float16)]
+        assert not any(t.is_device(b) for b in back)
+        assert not t.is_device(back[0] + 1)
+        assert len([op for op in t.ops if op.alloc]) == 3  # dev, dev * 2, the zeros

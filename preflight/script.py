@@ -631,6 +631,15 @@ def _patched(target: Any, name: str, value: Any) -> Iterator[None]:
         setattr(target, name, before)
 
 
+def _rng_state() -> torch.Tensor:
+    """A real (not fake) CUDA generator state stand-in: frameworks save and restore it
+    (Lightning's ``isolate_rng``); the real call would make a CUDA context."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return torch.zeros(16, dtype=torch.uint8)
+
+
 @contextlib.contextmanager
 def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[None]:
     """``torch.cuda`` as a script sees it on the target GPU; the memory figures are the
@@ -653,6 +662,13 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
         "manual_seed": noop,
         "manual_seed_all": noop,
         "reset_peak_memory_stats": noop,
+        "get_rng_state": lambda *a, **k: _rng_state(),
+        "get_rng_state_all": lambda *a, **k: [_rng_state()],
+        "set_rng_state": noop,
+        "set_rng_state_all": noop,
+        "seed": noop,
+        "seed_all": noop,
+        "initial_seed": lambda: 0,
         "memory_allocated": lambda *a, **k: 0,
         "max_memory_allocated": lambda *a, **k: 0,
         "memory_reserved": lambda *a, **k: 0,
@@ -789,6 +805,7 @@ def trace_script(
     tracker = ScriptTracker(listener, name)
     phases = _Phases(tracker, trace, steps, extra_steps, time_budget_s)
     started = time.monotonic()
+    cuda_before = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     handles: list[Any] = []
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [path if path is not None else str(module), *argv]
@@ -876,6 +893,11 @@ def trace_script(
         trace.ops = tracker.ops
         tracker.close()
     trace.stand_ins = list(tracker.stand_ins.values())
+    if torch.cuda.is_initialized() and not cuda_before:  # type: ignore[no-untyped-call]
+        trace.notes.append(
+            "the script made a CUDA context on this machine's GPU through a call preflight does"
+            " not emulate (about 500 MB there); nothing else was put on it"
+        )
     trace.checkpoint_allocated = any(op.alloc and op.phase == "checkpoint" for op in trace.ops)
     trace.internal_stand_ins = tracker.internal_stand_ins
     trace.elapsed_s = time.monotonic() - started
@@ -1035,7 +1057,8 @@ def script_notes(trace: ScriptTrace, steps: int, extra_steps: int) -> list[str]:
     """What the report must say about how the traced run went."""
     notes = [
         f"ran the script as written on fake tensors for {trace.steps_done} optimizer"
-        f" step(s) in {trace.elapsed_s:.1f} s ({_STOPS.get(trace.stopped_by, trace.stopped_by)})"
+        f" step(s) in {trace.elapsed_s:.1f} s ({_STOPS.get(trace.stopped_by, trace.stopped_by)})",
+        *trace.notes,
     ]
     if trace.steps_done == 0 and trace.stopped_by != "oom":
         notes.append(

@@ -78,7 +78,7 @@ def predict(name: str, out: Path) -> dict[str, Any]:
         "phases": sorted({p.phase for p in r.phases}),
         "steps": report.steps,
         "seconds": round(time.monotonic() - started, 2),
-        "cuda_initialized": bool(torch.cuda.is_initialized()),
+        "cuda_initialized": bool(torch.cuda.is_initialized()),  # type: ignore[no-untyped-call]
         "notes": report.notes,
     }
 

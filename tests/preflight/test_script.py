@@ -64,6 +64,7 @@ def _script(tmp_path: Path, text: str, name: str = "train.py") -> Path:
     return path
 
 
+@pytest.mark.slow  # seconds of fake training
 def test_a_plain_script_is_checked_as_written(tmp_path: Path) -> None:
     script = _script(tmp_path, PLAIN)
     out = tmp_path / "ckpt.pt"
@@ -88,6 +89,7 @@ def test_a_plain_script_is_checked_as_written(tmp_path: Path) -> None:
     assert item and "loss.item()" in item[0] and "stand-in" in item[0], report.notes
 
 
+@pytest.mark.slow  # seconds of fake training
 def test_a_script_without_an_eval_gets_one_run_for_it(tmp_path: Path) -> None:
     script = _script(tmp_path, PLAIN)
     report = preflight_script(
@@ -105,6 +107,7 @@ def test_a_script_without_an_eval_gets_one_run_for_it(tmp_path: Path) -> None:
     assert "the checkpoint phase is not checked" in text
 
 
+@pytest.mark.slow  # seconds of fake training
 def test_the_verdict_follows_the_capacity_and_names_the_phase(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -158,6 +161,7 @@ def test_a_failing_script_names_its_own_line(
     assert "KeyError: 'batch_size'" in err and "Traceback" in err
 
 
+@pytest.mark.slow  # seconds of fake training
 def test_a_value_dependent_shape_names_the_line(tmp_path: Path) -> None:
     text = PLAIN.replace(
         "    loss = F.cross_entropy(model(x), y)\n",
@@ -170,6 +174,7 @@ def test_a_value_dependent_shape_names_the_line(tmp_path: Path) -> None:
     assert "depends on tensor values" in str(e.value)
 
 
+@pytest.mark.slow  # seconds of fake training
 def test_a_dataloader_with_workers_runs_in_the_scripts_process(tmp_path: Path) -> None:
     text = PLAIN.replace(
         "for step in range(1000):\n"

@@ -189,29 +189,17 @@ class ScriptTracker(PhaseTracker):  # type: ignore[no-untyped-call]  # torch: un
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default:
             return self._stand_in(args[0])
-        try:
-            out = func(*args, **(kwargs or {}))
-        except Exception:
-            if self.failed_in is None:
-                self.failed_in = (self.phase, self.step)
-            raise
-        if self.untracked:
-            return out
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def records(self, args: Any, kwargs: Any) -> bool:
+        """Device memory: a move or factory aimed at the GPU, an operator with a device
+        input, or a factory inside a moved module's forward."""
         inputs = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, torch.Tensor)]
-        on_device = (
+        return (
             self.forced > 0
             or any(self.is_device(a) for a in inputs)
             or (not inputs and bool(self.modules.current))
         )
-        if on_device:
-            module = self.modules.current
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    op = self._see(t, self.phase, module)
-                    if op is not None:
-                        self.ops.append(op)
-                        self.tell(op)
-        return out
 
 
 def _is_cuda(value: Any) -> bool:

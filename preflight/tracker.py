@@ -123,7 +123,7 @@ class PhaseTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             if self.failed_in is None:
                 self.failed_in = (self.phase, self.step)
             raise
-        if self.untracked:
+        if self.untracked or not self.records(args, kwargs):
             return out
         module = self.modules.current
         sizes = fake_workspace_sizes(func, args, out)
@@ -134,6 +134,11 @@ class PhaseTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
                     self.ops.append(op)
                     self.tell(op)
         return out
+
+    def records(self, args: Any, kwargs: Any) -> bool:
+        """Whether the outputs of an operator called with ``args`` are recorded (those on
+        ``device_type`` are): a subclass that tells device memory apart otherwise says no."""
+        return True
 
     def tell(self, op: PhaseOp) -> None:
         """Pass ``op`` to the listener; a StopCapture from it marks the run stopped."""

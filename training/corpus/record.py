@@ -218,7 +218,10 @@ class Recorder:
                                   plan.script.duration_s * 1.5 + 120)  # fmt: skip
             lines = read_stats(stats)
             onset = plan.onset_s if plan.onset_s is not None else plan.script.duration_s
-            steady = [r for r in lines if 10 <= r["t"] <= onset + 5 and r["scale"] <= 1.05]
+            # the step period before growth starts; a start-up climb (onset a few seconds in)
+            # is judged over its first minute, where the pace is held all the same
+            until = max(onset, 60.0) + 5
+            steady = [r for r in lines if 10 <= r["t"] <= until and r["scale"] <= 1.05]
             period = _weighted(steady, "period_s")
             compute = _weighted(steady, "compute_s")
             drift = None if period is None else period / plan.script.period_s - 1.0

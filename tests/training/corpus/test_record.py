@@ -102,6 +102,19 @@ def test_a_run_whose_steps_cannot_keep_their_period_is_recorded_again(
 
 
 @needs_cgroup
+def test_a_start_up_climb_is_judged_by_the_pace_of_its_first_minute(tmp_path: Path) -> None:
+    """A warmup's growth starts a few seconds in: its period is still measured (it once came
+    out unknown, and every such run was rejected three times)."""
+    recorder = rec.Recorder(tmp_path, workers=1, log=lambda m: None)
+    recorder.calibrations["mlp_tabular"] = CAL
+    plan = _plan("mlp_tabular-warmup", limit=1024 * MIB, duration_s=18.0,
+                 phases=[Phase("warmup", 3.0, level_bytes=60 * MIB, tau_s=5.0)])  # fmt: skip
+    entry = recorder.record_run(plan, core=0)
+    assert entry["period_drift"] is not None and abs(entry["period_drift"]) <= rec.MAX_DRIFT
+    assert entry["accepted"] and entry["attempts"] == 1 and not entry["oom"]
+
+
+@needs_cgroup
 def test_a_program_that_fails_by_itself_is_not_recorded_and_repeated_failures_stop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -84,6 +84,10 @@ _SAVERS = (
     ("transformers.modeling_utils", "safe_save_file"),
     ("transformers.trainer", "safe_save_file"),
 )
+# Savers that are methods: Hugging Face's save_pretrained looks for shared storages by
+# address before it writes, which fake tensors do not have; here it saves its state dict
+# like torch.save (what it puts on the GPU is the state dict's references: nothing).
+_METHOD_SAVERS = (("transformers.modeling_utils", "PreTrainedModel", "save_pretrained"),)
 
 
 class ScriptDone(BaseException):  # a signal, not an error: ``except Exception`` lets it by
@@ -232,6 +236,8 @@ class _Moves(TorchFunctionMode):
             if _is_cpu(_device_arg(args[1:], kwargs)) and t.is_device(args[0]):
                 return self._to_host(args[0], rest)
             return func(*args, **kwargs)
+        if func is torch.nn.functional.linear:
+            return _linear(*args, **kwargs)
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = torch.device("cpu")
             t.forced += 1
@@ -261,6 +267,19 @@ class _Moves(TorchFunctionMode):
         finally:
             t.forced -= 1
         return out
+
+
+def _linear(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear`` as PyTorch's own kernel runs it on plain tensors. On an input that is not
+    a contiguous 2-D or 3-D tensor (an LSTM's batch-first output, a transposed activation)
+    it multiplies and then adds the bias *in place*; under a dispatch mode or on fake tensors
+    (tensor-subclass-like) it adds out of place, which holds a second output-sized tensor for
+    a moment: +20 MB at the peak of a word-level LM's logits, seen against the allocator."""
+    if bias is None or input.dim() < 3 or (input.dim() == 3 and input.is_contiguous()):
+        return torch.nn.functional.linear(input, weight, bias)
+    return torch.matmul(input, weight.t()).add_(bias)
 
 
 def _is_cpu(value: Any) -> bool:
@@ -322,6 +341,7 @@ class _Phases:
         self.hf_patched = False
         self.lightning_patched: set[str] = set()
         self.in_step = False  # inside Optimizer.step: a closure's backward returns to it
+        self.in_backward = False  # module calls now are a checkpoint's recomputation
         self.saver: Callable[..., None] | None = None
         self.savers_patched: set[tuple[str, str]] = set()
         self.restore: list[Callable[[], None]] = []  # undoes patches made during the run
@@ -330,7 +350,7 @@ class _Phases:
     # -- module calls ---------------------------------------------------------------------
     def pre(self, module: nn.Module, args: Any) -> None:
         self.depth += 1
-        if self.depth != 1:
+        if self.depth != 1 or self.in_backward:
             return
         self.t.started = True
         train = module.training and torch.is_grad_enabled()
@@ -383,7 +403,14 @@ class _Phases:
     def backward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             self._enter("backward")
-            out = fn(*args, **kwargs)
+            depth, self.in_backward = self.depth, True
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                # Gradient checkpointing runs module forwards again inside the backward, and
+                # the non-reentrant kind stops them part-way (no forward hook after): they
+                # are the backward's, and leave the call depth where it was.
+                self.depth, self.in_backward = depth, False
             if self.in_step:  # optimizer.step(closure): the closure is done, the step goes on
                 self._enter("optimizer")
             return out
@@ -453,6 +480,20 @@ class _Phases:
             orig = getattr(mod, attr)
             setattr(mod, attr, self.saver)
             self.restore.append(functools.partial(setattr, mod, attr, orig))
+        saver = self.saver
+
+        def save_method(model: Any, save_directory: Any, *args: Any, **kwargs: Any) -> None:
+            state = kwargs.get("state_dict")
+            saver(model.state_dict() if state is None else state, save_directory)
+
+        for mod_name, cls_name, attr in _METHOD_SAVERS:
+            cls = getattr(sys.modules.get(mod_name), cls_name, None)
+            if cls is None or (mod_name, attr) in self.savers_patched:
+                continue
+            self.savers_patched.add((mod_name, attr))
+            orig = cls.__dict__[attr]
+            setattr(cls, attr, save_method)
+            self.restore.append(functools.partial(setattr, cls, attr, orig))
 
     def _hf_schedule(self) -> None:
         """A Hugging Face ``Trainer`` runs its own eval and checkpoint right after the

@@ -1,16 +1,19 @@
-"""Preflight of scripts as written, on a machine with a GPU: a prepared check.
+"""Preflight of scripts as written, against a real GPU: a prepared check for a machine with
+one (the CPU machines check the same scripts against the CPU allocator, in
+``script_accuracy``).
 
-For each example script in ``bench/preflight/scripts/`` (a plain loop, a Hugging Face
-``Trainer`` script, a Lightning script):
+For each case of ``script_accuracy`` (12 example scripts in ``bench/preflight/scripts/``, two
+batch sizes each, ``--steps 3``: train steps, the script's eval and its checkpoint):
 
-1. preflight's answer (``preflight_script``, at unlimited capacity): peak allocated and
-   reserved bytes, the phases, the seconds it took, and whether a CUDA context was made (it
-   must not be: the GPU is emulated);
-2. for the plain scripts, the truth: the script run for real on the GPU in a child process,
-   stopped after the same number of optimizer steps, ``torch.cuda.max_memory_allocated`` and
-   ``max_memory_reserved`` read then.
+1. ``truth``: the script run for real on the GPU, whole, in a child process;
+   ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` read as it ends. Children
+   run ``--jobs`` at a time (each process has its own peak figures).
+2. ``predicted``: ``preflight_script`` at unlimited capacity (the GPU emulated: no CUDA
+   context may be made), peak allocated and reserved bytes from its replay, which rounds
+   blocks as the CUDA caching allocator does.
 
-    python -m oomcast.bench.preflight.scripts_gpu [--out FILE]
+    python -m oomcast.bench.preflight.scripts_gpu --truth-only --jobs 6 --out truth.json  # GPU
+    python -m oomcast.bench.preflight.scripts_gpu --join truth.json      # predictions, here
 
 Without CUDA the truth is left out (None): that is the dry run the CPU machines can do.
 """
@@ -18,7 +21,9 @@ Without CUDA the truth is left out (None): that is the dry run the CPU machines 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -26,34 +31,30 @@ import time
 from pathlib import Path
 from typing import Any
 
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
-# name -> (file, arguments after the output folder placeholder {out}, real run comparable)
-CASES: dict[str, tuple[str, list[str], bool]] = {
-    "plain_lm_b16": ("plain_lm.py", ["--batch-size", "16", "--out", "{out}/c.pt"], True),
-    "plain_lm_b64": ("plain_lm.py", ["--batch-size", "64", "--out", "{out}/c.pt"], True),
-    "hf_trainer": ("hf_trainer.py", ["{out}/hf"], False),
-    "lightning_mlp": ("lightning_mlp.py", ["{out}/pl"], False),
-}
-STEPS = 3
+from oomcast.bench.preflight.script_accuracy import CASES as ACCURACY_CASES
+from oomcast.bench.preflight.script_accuracy import SCRIPTS, STEPS, Case, argv_for
 
-# Runs a script for real and stops it after STEPS optimizer steps, reporting the CUDA peaks.
+# name -> (case, batch size)
+CASES: dict[str, tuple[Case, int]] = {
+    f"{c.name}_b{b}": (c, b) for c in ACCURACY_CASES for b in c.batches
+}
+
+# Runs a script for real, whole, and reports the CUDA allocator's peaks as it ends.
 TRUTH = """
-import json, os, runpy, sys
+import json, os, runpy, sys, time
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
-steps = [0]
-def post(opt, args, kwargs):
-    steps[0] += 1
-    if steps[0] >= int(os.environ["STEPS"]):
-        torch.cuda.synchronize()
-        print("TRUTH " + json.dumps({
-            "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
-            "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
-        }), flush=True)
-        os._exit(0)
-register_optimizer_step_post_hook(post)
 sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+started = time.monotonic()
 runpy.run_path(sys.argv[0], run_name="__main__")
+torch.cuda.synchronize()
+print("TRUTH " + json.dumps({
+    "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+    "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+    "seconds": round(time.monotonic() - started, 2),
+    "torch": torch.__version__,
+    "gpu": torch.cuda.get_device_name(),
+}), flush=True)
 """
 
 
@@ -62,12 +63,13 @@ def predict(name: str, out: Path) -> dict[str, Any]:
 
     from oomcast.preflight.script import preflight_script
 
-    file, argv, _ = CASES[name]
+    c, batch = CASES[name]
     started = time.monotonic()
     report = preflight_script(
-        str(SCRIPTS / file),
-        [a.format(out=out) for a in argv],
+        str(SCRIPTS / c.file),
+        argv_for(c, batch, out),
         capacity_bytes=1 << 40,
+        context_bytes=0,
         steps=STEPS,
         remedies=False,
     )
@@ -79,24 +81,21 @@ def predict(name: str, out: Path) -> dict[str, Any]:
         "steps": report.steps,
         "seconds": round(time.monotonic() - started, 2),
         "cuda_initialized": bool(torch.cuda.is_initialized()),  # type: ignore[no-untyped-call]
-        "notes": report.notes,
     }
 
 
 def truth(name: str, out: Path) -> dict[str, Any] | None:
-    import os
-
     import torch
 
-    file, argv, comparable = CASES[name]
-    if not comparable or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return None
+    c, batch = CASES[name]
     run = subprocess.run(
-        [sys.executable, "-c", TRUTH, str(SCRIPTS / file), *[a.format(out=out) for a in argv]],
+        [sys.executable, "-c", TRUTH, str(SCRIPTS / c.file), *argv_for(c, batch, out)],
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "STEPS": str(STEPS)},
+        env=dict(os.environ),
     )
     for line in run.stdout.splitlines():
         if line.startswith("TRUTH "):
@@ -105,30 +104,43 @@ def truth(name: str, out: Path) -> dict[str, Any] | None:
     return {"error": run.stderr[-2000:]}
 
 
-def main() -> None:
+def _in_folder(fn: Any, name: str) -> Any:
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            return fn(name, Path(tmp))
+        except Exception as exc:  # report and go on: one broken case must not hide the rest
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path)
-    p.add_argument("--only", action="append", choices=sorted(CASES))
-    args = p.parse_args()
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.only or CASES:
-            folder = Path(tmp) / name
-            folder.mkdir()
-            row: dict[str, Any] = {"case": name}
-            try:
-                row["predicted"] = predict(name, folder)
-            except Exception as exc:  # report and go on: one broken case must not hide the rest
-                row["predicted"] = {"error": f"{type(exc).__name__}: {exc}"}
-            row["truth"] = truth(name, folder)
-            pred, real = row["predicted"], row["truth"]
+    p.add_argument("--only", nargs="+", choices=sorted(CASES), metavar="CASE")
+    p.add_argument("--truth-only", action="store_true", help="only the real runs (the GPU part)")
+    p.add_argument("--join", type=Path, help="truths from an earlier --truth-only run")
+    p.add_argument("--jobs", type=int, default=1, help="real runs at once")
+    args = p.parse_args(argv)
+    names = args.only or list(CASES)
+    rows: dict[str, dict[str, Any]] = {n: {"case": n} for n in names}
+    if args.join:
+        for row in json.loads(args.join.read_text())["rows"]:
+            if row["case"] in rows:
+                rows[row["case"]]["truth"] = row["truth"]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            for n, got in zip(names, pool.map(lambda n: _in_folder(truth, n), names), strict=True):
+                rows[n]["truth"] = got
+                print(json.dumps(rows[n]), file=sys.stderr, flush=True)
+    if not args.truth_only:
+        for n in names:
+            rows[n]["predicted"] = pred = _in_folder(predict, n)
+            real = rows[n].get("truth")
             if real and "error" not in real and "error" not in pred:
-                row["rel_error_allocated"] = round(
+                rows[n]["rel_error_allocated"] = round(
                     pred["peak_allocated_bytes"] / real["peak_allocated_bytes"] - 1, 4
                 )
-            print(json.dumps({k: v for k, v in row.items() if k != "notes"}), file=sys.stderr)
-            rows.append(row)
-    text = json.dumps({"steps": STEPS, "rows": rows}, indent=1)
+            print(json.dumps(rows[n]), file=sys.stderr, flush=True)
+    text = json.dumps({"steps": STEPS, "rows": list(rows.values())}, indent=1)
     if args.out:
         args.out.write_text(text + "\n")
     print(text)

@@ -19,6 +19,7 @@ class Verdict:
     name: str
     ok: bool
     says: str
+    warn: bool = False  # ok, but the service would run degraded (it warns at start-up too)
 
 
 def _settings(config: str | None) -> tuple[Any, Verdict]:
@@ -35,15 +36,38 @@ def _settings(config: str | None) -> tuple[Any, Verdict]:
     return settings, Verdict("settings", True, f"the OOMCAST_* settings of {where} are valid")
 
 
-def _rules(path: str) -> Verdict:
+def _rules(path: str, source: str) -> tuple[Any, Verdict]:
     from oomcast.service.pipeline.rulefile import RulesError, check_rules_file
 
     try:
-        spec = check_rules_file(path)
+        spec = check_rules_file(path, source)
     except RulesError as exc:
-        return Verdict("rules", False, str(exc))
+        return None, Verdict("rules", False, str(exc))
     names = ", ".join(r.name for r in spec.rules)
-    return Verdict("rules", True, f"{path}: {len(spec.rules)} rules ({names})")
+    return spec, Verdict("rules", True, f"{path}: {len(spec.rules)} rules ({names})")
+
+
+def _actions(settings: Any, spec: Any) -> Verdict:
+    """The rules' actions that nothing is configured to carry out: ``serve`` starts and
+    records them without acting (and warns); a deploy usually wants to know first."""
+    from oomcast.service.pipeline.actions import MISSING_SETTING
+
+    have = {
+        "webhook": settings.webhook_url is not None,
+        "alertmanager": settings.alertmanager_url is not None,
+        "checkpoint": settings.control_secret is not None,
+        "shed": settings.control_secret is not None,
+    }
+    missing = sorted({a for r in spec.rules for a in r.actions if not have[a]})
+    if not missing:
+        return Verdict("actions", True, "every action the rules name is configured")
+    said = "; ".join(f"{a} needs {MISSING_SETTING[a]}" for a in missing)
+    return Verdict(
+        "actions",
+        True,
+        f"recorded, not carried out: {said} (serve starts and warns the same)",
+        warn=True,
+    )
 
 
 def _model(settings: Any) -> Verdict:
@@ -83,12 +107,17 @@ def _redis(settings: Any) -> Verdict:
 def run_checks(config: str | None, rules: str | None, redis_check: bool) -> list[Verdict]:
     settings, first = _settings(config)
     out = [first]
+    spec = None
     if rules is not None:
-        out.append(_rules(rules))
+        spec, verdict = _rules(rules, "--rules")
+        out.append(verdict)
     if settings is None:
         return out
     if rules is None:
-        out.append(_rules(settings.rules_path()))
+        spec, verdict = _rules(settings.rules_path(), "OOMCAST_RULES")
+        out.append(verdict)
+    if spec is not None:
+        out.append(_actions(settings, spec))
     checks: list[Callable[[Any], Verdict]] = [_model]
     if redis_check:
         checks.append(_redis)
@@ -106,7 +135,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         )
     else:
         for v in verdicts:
-            print(f"{'ok  ' if v.ok else 'FAIL'} {v.name:9} {v.says}")
+            print(f"{('WARN' if v.warn else 'ok  ') if v.ok else 'FAIL'} {v.name:9} {v.says}")
     return 0 if all(v.ok for v in verdicts) else 1
 
 

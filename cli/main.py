@@ -60,6 +60,7 @@ def build_parser(env: CommandEnv | None = None) -> argparse.ArgumentParser:
         "--log-level",
         default=env.log_level,
         choices=["debug", "info", "warning", "error"],
+        help=f"how much the command logs (default: {env.log_level}; OOMCAST_LOG_LEVEL sets it)",
     )
     sub = p.add_subparsers(dest="command", required=True)
     cli_service.add_parsers(sub, env)

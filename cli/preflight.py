@@ -37,7 +37,11 @@ def add_parser(sub: Any) -> None:
         " simulator at the GPU's capacity and say per phase what it needs, whether it fits"
         " and what would make it fit. Exit status 0 if it fits, 1 if it would OOM.",
     )
-    p.add_argument("--gpu", help="target GPU from the catalogue (an unknown name lists them)")
+    p.add_argument(
+        "--gpu",
+        help="target GPU from the catalogue (an unknown name lists them); no default: give"
+        " --gpu or --capacity-bytes",
+    )
     p.add_argument(
         "--capacity-bytes",
         type=int,

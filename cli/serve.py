@@ -265,7 +265,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def add_parsers(sub: Any, env: CommandEnv) -> None:
     d = sub.add_parser("demo", help="the whole system on this machine, with a live view")
-    d.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    d.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="stop after this many seconds (default: run until Ctrl-C)",
+    )
     d.add_argument("--plain", action="store_true", help="print lines instead of a live table")
     d.add_argument("--port", type=int, default=0, help="service port (default: a free one)")
     d.add_argument("--speed", type=float, default=1.0, help="simulated jobs run this much faster")

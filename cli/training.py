@@ -27,6 +27,9 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
     from oomcast.training.from_redis import dump_trace
 
+    folder = Path(args.out).parent
+    if not folder.is_dir():  # a typo in the path should not leave folders behind
+        raise UsageError(f"--out {args.out}: the folder {folder} does not exist")
     url = args.redis_url or redis_url_from_env()
     client = redis.Redis.from_url(url, socket_connect_timeout=2.0)
     try:

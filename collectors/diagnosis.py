@@ -18,6 +18,7 @@ import gzip
 import io
 import json
 import pickle
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -145,6 +146,22 @@ def _last_oom(snap: Mapping[str, Any]) -> int | None:
     return None
 
 
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+# CUDA's "Tried to allocate 2.00 GiB" and the CPU allocator's "you tried to allocate
+# 2147483648 bytes", as the hook records the error that made it write the bundle
+_CUDA_REQUEST = re.compile(r"[Tt]ried to allocate (\d+(?:\.\d+)?) (B|KiB|MiB|GiB|TiB)\b")
+_CPU_REQUEST = re.compile(r"[Tt]ried to allocate (\d+) bytes")
+
+
+def request_from_message(text: str) -> int | None:
+    """The failing request's size from an out-of-memory error's message, or None."""
+    m = _CUDA_REQUEST.search(text)
+    if m:
+        return int(float(m.group(1)) * _UNITS[m.group(2)])
+    m = _CPU_REQUEST.search(text)
+    return int(m.group(1)) if m else None
+
+
 def analyse(
     snap: Mapping[str, Any],
     *,
@@ -173,7 +190,12 @@ def analyse(
         reserved = int(stats.get("reserved_bytes", 0))
         allocated = int(stats.get("allocated_bytes", 0))
         free = max(0, reserved - allocated)
-    request = failing_request or (bundle or {}).get("failing_request_bytes") or _last_oom(snap)
+    request = (
+        failing_request
+        or (bundle or {}).get("failing_request_bytes")
+        or _last_oom(snap)
+        or request_from_message(str(((bundle or {}).get("alert") or {}).get("why") or ""))
+    )
     capacity = capacity_bytes or stats.get("capacity_bytes") or None
     retries = stats.get("num_alloc_retries")
     d = Diagnosis(
@@ -265,18 +287,24 @@ def explain_text(d: Diagnosis) -> str:
         where = "/".join(str(d.context.get(k, "?")) for k in ("node", "device"))
         lines.append(f"domain {where}, job {d.context.get('job') or '-'}")
     cap = f" of {_b(d.capacity_bytes)}" if d.capacity_bytes else ""
-    lines += [
-        f"reserved {_b(d.reserved_bytes)}{cap} in {d.segments} segments;"
+    layout = f"in {d.segments} segments" if d.segments else "(no block layout)"
+    lines.append(
+        f"reserved {_b(d.reserved_bytes)}{cap} {layout};"
         f" live {_b(d.allocated_bytes)}; cached but free {_b(d.free_cached_bytes)}"
-        f" ({d.fragmentation:.0%} of reserved)",
-        f"largest free block {_b(d.largest_free_block)}"
-        + (
-            f"; the failing request was {_b(d.failing_request)}"
-            f" ({'it would fit' if d.fits_largest_free else 'it does not fit'})"
-            if d.failing_request and d.fits_largest_free is not None
-            else ""
-        ),
-    ]
+        f" ({d.fragmentation:.0%} of reserved)"
+    )
+    if d.segments:
+        lines.append(
+            f"largest free block {_b(d.largest_free_block)}"
+            + (
+                f"; the failing request was {_b(d.failing_request)}"
+                f" ({'it would fit' if d.fits_largest_free else 'it does not fit'})"
+                if d.failing_request and d.fits_largest_free is not None
+                else ""
+            )
+        )
+    elif d.failing_request:
+        lines.append(f"the failing request was {_b(d.failing_request)}")
     if d.growing:
         since = f" over the last {d.growing_since_s:.0f} s" if d.growing_since_s else ""
         lines.append(f"allocation sites that grew most{since} (a leak's suspects):")

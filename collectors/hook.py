@@ -328,7 +328,12 @@ class MemoryHook(BundleHook):
             return False
         timeout = self.settings.oom_timeout_s if timeout_s is None else timeout_s
         ev = self._note_oom("exception", type(exc).__name__ if exc is not None else None)
-        self.bundle_soon(f"out of memory: {type(exc).__name__ if exc else 'reported'}")
+        # the error's own first line says what was asked ("Tried to allocate 2.00 GiB"):
+        # `oomcast explain` reads the failing request from it when no memory history has it
+        first = (str(exc).strip().splitlines() or [""])[0][:300] if exc is not None else ""
+        said = type(exc).__name__ if exc is not None else "reported"
+        said += f": {first}" if first else ""
+        self.bundle_soon(f"out of memory: {said}")
         if self.flush(timeout):
             return True
         return self._outbox.send_directly(

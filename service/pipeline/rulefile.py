@@ -30,7 +30,9 @@ names the rule and the field. What a rule then does is ``service/pipeline/rules.
 
 from __future__ import annotations
 
+import difflib
 import json
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -282,22 +284,48 @@ def _where(raw: Any, loc: tuple[Any, ...]) -> str:
     return f"{head}: {tail}" if head and tail else head or tail
 
 
-def check_rules_file(path: str | Path) -> RuleFile:
-    """Read and validate a rule file; RulesError names the rule and field that are wrong."""
+def check_rules_file(path: str | Path, source: str = "OOMCAST_RULES") -> RuleFile:
+    """Read and validate a rule file; RulesError names the rule and field that are wrong.
+    ``source`` names where the path came from (the setting, or a command's option)."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as exc:
-        raise RulesError(f"OOMCAST_RULES={path}: cannot read it ({exc.strerror})") from None
+        raise RulesError(f"{source}={path}: cannot read it ({exc.strerror})") from None
     raw = _parse(text, str(p))
     try:
         spec = RuleFile.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = _where(raw, tuple(first["loc"])) or "the file"
-        msg = first["msg"].removeprefix("Value error, ")
+        msg = first["msg"].removeprefix("Value error, ") + _did_you_mean(first)
         raise RulesError(f"{p}: {where}: {msg}") from None
     return spec
+
+
+def _did_you_mean(error: Any) -> str:
+    """For a key the schema does not have, the nearest one it does (``horizon`` ->
+    ``horizon_s``), from the model the key was found in."""
+    loc = tuple(error.get("loc", ()))
+    if error.get("type") != "extra_forbidden" or not loc:
+        return ""
+    model: Any = RuleFile
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if hasattr(model, "model_fields") else None
+        if field is None:
+            return ""
+        ann = field.annotation
+        args = [a for a in typing.get_args(ann) if isinstance(a, type)] or [ann]
+        model = next((a for a in args if hasattr(a, "model_fields")), None)
+        if model is None:
+            return ""
+    names = list(model.model_fields)
+    near = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
+    if not near:  # a prefix (horizon / horizon_s) is a likelier slip than a distant spelling
+        near = [n for n in names if n.startswith(str(loc[-1])) or str(loc[-1]).startswith(n)]
+    return f" (did you mean {near[0]!r}?)" if near else f" (the keys here: {', '.join(names)})"
 
 
 def load_rules(path: str | Path, policy: AlertPolicy) -> list[Rule]:

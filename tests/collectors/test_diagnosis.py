@@ -121,6 +121,33 @@ def test_a_bundle_without_cuda_uses_the_allocator_figures(tmp_path: Path) -> Non
     assert any("no memory snapshot" in t for t in d.thin)
 
 
+@pytest.mark.parametrize(
+    ("why", "asked"),
+    [
+        ("out of memory: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total"
+         " capacity of 79.10 GiB of which 1.06 GiB is free.", 2 << 30),
+        ("out of memory: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not"
+         " enough memory: you tried to allocate 2147483648 bytes.", 2147483648),
+    ],
+)  # fmt: skip
+def test_a_cpu_bundle_reads_the_failing_request_from_the_error(
+    tmp_path: Path, why: str, asked: int
+) -> None:
+    """A job without CUDA has no memory history: the request is in the error's message (it
+    used to say "no failing request recorded", and "in 0 segments")."""
+    path = write_bundle(
+        tmp_path, node="n", device="cgroup:/job", job="j", alert={"why": why}, samples=[],
+        allocator={"reserved_bytes": 3 << 30, "allocated_bytes": 3 << 30}, processes=[],
+        snapshot=None,
+    )  # fmt: skip
+    d = analyse(*read_file(path)[:1], bundle=read_file(path)[1])
+    assert d.failing_request == asked
+    assert not any("no failing request" in t for t in d.thin)
+    text = explain_text(d)
+    assert "0 segments" not in text and "(no block layout)" in text
+    assert "the failing request was 2.00 GiB" in text
+
+
 class Boom:
     def __reduce__(self) -> tuple[Any, ...]:
         return (os.system, ("touch /tmp/oomcast-pwned",))

@@ -78,9 +78,16 @@ def test_a_reported_oom_writes_a_bundle(
 ) -> None:
     hook = make_hook("job-o", bundle_dir=str(tmp_path))
     hook.step()
-    hook.report_oom(MemoryError("boom"))
+    error = RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory:"
+        " you tried to allocate 2147483648 bytes.\nException raised from ..."
+    )
+    hook.report_oom(error)
     assert wait_until(lambda: len(hook.bundles) == 1)
-    assert read_file(hook.bundles[0])[1]["alert"]["why"] == "out of memory: MemoryError"  # type: ignore[index]
+    bundle = read_file(hook.bundles[0])[1]
+    assert bundle["alert"]["why"] == f"out of memory: RuntimeError: {str(error).splitlines()[0]}"  # type: ignore[index]
+    # what `oomcast explain` reads back from it
+    assert analyse(read_file(hook.bundles[0])[0], bundle=bundle).failing_request == 2 << 30
 
 
 def test_bundles_can_be_turned_off_and_default_to_a_temporary_folder() -> None:

@@ -362,6 +362,9 @@ def test_the_alert_log_lists_the_alert(fired: Server, authed: Page, artifacts: P
     expect(line).to_have_count(1, timeout=SEEN_S * 1000)
     expect(line).to_contain_text(alert["rule_name"])
     expect(line).to_contain_text("train-b")
+    # the time in an order no locale reads two ways (it was 12/4/2026 in en-US)
+    sent = time.localtime(alert.get("sent_at") or alert["observed_at"])
+    expect(line).to_contain_text(time.strftime("%Y-%m-%d %H:%M:", sent))
     expect(line.locator(".cause")).to_contain_text(
         str(alert["cause"]) if alert.get("cause") else "no cause computed"
     )

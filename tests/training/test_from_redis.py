@@ -90,3 +90,20 @@ def test_dump_time_range_and_cli(
     )
     # stream ids are the time Redis received the entry: none after an hour from now
     assert future.returncode == 2 and "no samples of node 'n2'" in future.stderr
+
+
+def test_cli_dump_into_a_folder_that_does_not_exist_is_refused(tmp_path: Path) -> None:
+    """A typo in --out names the missing folder and creates nothing (it used to create the
+    folders silently)."""
+    out = tmp_path / "no" / "such" / "n2.jsonl.gz"
+    done = subprocess.run(
+        oomcast_cmd(
+            "dump", "--node", "n2", "--out", str(out), "--redis-url", "redis://127.0.0.1:1"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert f"the folder {tmp_path / 'no' / 'such'} does not exist" in done.stderr
+    assert not (tmp_path / "no").exists()

@@ -71,7 +71,12 @@ function put(el, ...children) {
 const gib = (b) => (b / GIB).toFixed(b >= 100 * GIB ? 0 : 1);
 const pct = (p) => `${Math.round(p * 100)}%`;
 const clock = (ts) => new Date(ts * 1000).toLocaleTimeString([], { hour12: false });
-const stamp = (ts) => new Date(ts * 1000).toLocaleString([], { hour12: false });
+const pad2 = (n) => String(n).padStart(2, "0");
+// an unambiguous date (2026-12-04 14:15:02) whatever the browser's locale: 12/4 reads two ways
+const stamp = (ts) => {
+  const d = new Date(ts * 1000);
+  return `${d.getFullYear()}-${pad2(d.getMonth() + 1)}-${pad2(d.getDate())} ${clock(ts)}`;
+};
 
 function duration(s) {
   if (s === null || s === undefined) return "—";

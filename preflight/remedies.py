@@ -1,7 +1,8 @@
 """What would make a job fit, each remedy checked by capturing and replaying the job again.
 
-- ``largest_batch``: the largest batch size that fits (doubling from the job's batch, then
-  bisection; sizes stay multiples of ``grad_accum``), or the note that none does.
+- ``largest_batch``: the largest batch size that fits (powers of two from the largest one not
+  above the job's batch, then bisection, so the answer does not depend on the batch the job
+  started from; sizes stay multiples of ``grad_accum``), or the note that none does.
 - ``expandable_segments``: the same job with ``expandable_segments:True``.
 - ``grad_accum``: when the job does not fit, the smallest number of micro-batches that fits
   at the same effective batch size (a divisor of the batch size).
@@ -41,21 +42,25 @@ class Remedy:
         }
 
 
-def _peak(r: Replay) -> int:
+def peak_of(r: Replay) -> int:
+    """What a replay needed: its peak reserved, or at its OOM what it held plus the request."""
     return r.peak_reserved_bytes if r.oom is None else r.oom.reserved_bytes + r.oom.requested_bytes
 
 
-def _bracket(run: Callable[[int], Replay], start: int, fits: bool) -> tuple[int, int | None]:
+def _bracket(run: Callable[[int], Replay], start: int) -> tuple[int, int | None]:
     """``(lo, hi)`` in batch units: ``lo`` fits (0: nothing does), ``hi`` does not (None:
-    none found within the doublings)."""
-    if fits:
-        lo = start
+    none found within the doublings). The search walks powers of two from the largest one
+    not above ``start``, so a job started at 64 or at 96 brackets the same interval and
+    gets the same answer (it once said 64 from one and 79 from the other)."""
+    anchor = 1 << (max(start, 1).bit_length() - 1)
+    if run(anchor).fits:
+        lo = anchor
         for _ in range(MAX_BATCH_DOUBLINGS):
             if not run(lo * 2).fits:
                 return lo, lo * 2
             lo *= 2
         return lo, None
-    hi = start
+    hi = anchor
     while hi > 1:
         if run(hi // 2).fits:
             return hi // 2, hi
@@ -63,7 +68,22 @@ def _bracket(run: Callable[[int], Replay], start: int, fits: bool) -> tuple[int,
     return 0, 1
 
 
-def largest_batch(job: PreflightJob, conf: AllocConf, check: Check, fits: bool) -> Remedy:
+def largest_fitting(run: Callable[[int], Replay], start: int) -> tuple[int, int | None]:
+    """The largest number of batch units that fits, and the smallest above it that does
+    not (None: none within the doublings); ``(0, 1)`` when not even 1 fits."""
+    lo, hi = _bracket(run, start)
+    if lo == 0 or hi is None:
+        return lo, hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if run(mid).fits:
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi
+
+
+def largest_batch(job: PreflightJob, conf: AllocConf, check: Check) -> Remedy:
     unit = job.grad_accum
     results: dict[int, Replay] = {}
 
@@ -72,20 +92,14 @@ def largest_batch(job: PreflightJob, conf: AllocConf, check: Check, fits: bool) 
             results[units] = check(replace(job, batch_size=units * unit), conf)
         return results[units]
 
-    lo, hi = _bracket(run, job.batch_size // unit, fits)
+    lo, hi = largest_fitting(run, job.batch_size // unit)
     if lo == 0:
-        return Remedy("largest_batch", "no batch size fits, not even 1", _peak(run(1)), False)
+        return Remedy("largest_batch", "no batch size fits, not even 1", peak_of(run(1)), False)
     if hi is None:
         change = f"batch_size {lo * unit} fits (searched no further)"
-        return Remedy("largest_batch", change, _peak(run(lo)), True, lo * unit)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if run(mid).fits:
-            lo = mid
-        else:
-            hi = mid
+        return Remedy("largest_batch", change, peak_of(run(lo)), True, lo * unit)
     change = f"batch_size {lo * unit} (the job uses {job.batch_size}; {hi * unit} does not fit)"
-    return Remedy("largest_batch", change, _peak(run(lo)), True, lo * unit)
+    return Remedy("largest_batch", change, peak_of(run(lo)), True, lo * unit)
 
 
 def grad_accum(job: PreflightJob, conf: AllocConf, check: Check) -> Remedy | None:
@@ -100,7 +114,7 @@ def grad_accum(job: PreflightJob, conf: AllocConf, check: Check) -> Remedy | Non
                 "grad_accum",
                 f"grad_accum {k}: {k} micro-batches of {job.batch_size // k},"
                 f" same effective batch {job.batch_size}",
-                _peak(r),
+                peak_of(r),
                 True,
                 k,
             )
@@ -110,10 +124,10 @@ def grad_accum(job: PreflightJob, conf: AllocConf, check: Check) -> Remedy | Non
 
 
 def find_remedies(job: PreflightJob, conf: AllocConf, check: Check, base: Replay) -> list[Remedy]:
-    out = [largest_batch(job, conf, check, base.fits)]
+    out = [largest_batch(job, conf, check)]
     if not conf.expandable_segments:
         r = check(job, conf.with_expandable())
-        out.append(Remedy("expandable_segments", "expandable_segments:True", _peak(r), r.fits))
+        out.append(Remedy("expandable_segments", "expandable_segments:True", peak_of(r), r.fits))
     if not base.fits and out[0].value is None:
         # not even batch size 1 fits: no micro-batch of a larger batch can
         change = "no grad_accum can fit: not even batch size 1 does"
@@ -124,7 +138,7 @@ def find_remedies(job: PreflightJob, conf: AllocConf, check: Check, base: Replay
             out.append(acc)
         else:
             change = "no grad_accum fits (up to 8 divisors of the batch size tried)"
-            out.append(Remedy("grad_accum", change, _peak(base), False))
+            out.append(Remedy("grad_accum", change, peak_of(base), False))
     late: list[tuple[str, str, bool, dict[str, object]]] = [
         (
             "eval_no_grad",
@@ -144,10 +158,10 @@ def find_remedies(job: PreflightJob, conf: AllocConf, check: Check, base: Replay
             continue
         if _before_first_eval(base):
             # the run is the same up to the OOM, which comes before the first eval/checkpoint
-            out.append(Remedy(name, f"{change} (the OOM comes before it)", _peak(base), False))
+            out.append(Remedy(name, f"{change} (the OOM comes before it)", peak_of(base), False))
             continue
         r = check(replace(job, **fields), conf)  # type: ignore[arg-type]
-        out.append(Remedy(name, change, _peak(r), r.fits))
+        out.append(Remedy(name, change, peak_of(r), r.fits))
     return out
 
 

@@ -38,10 +38,21 @@ class PreflightReport:
             else f"at phase {oom.phase} of step {oom.step}"
         )
         module = f" in {oom.module}" if oom.module else ""
+        cached = oom.reserved_bytes - oom.allocated_bytes
+        live = oom.allocated_bytes / self.capacity_bytes if self.capacity_bytes else 0.0
+        if cached >= oom.requested_bytes:
+            why = (
+                f"; the cache held {format_size(cached)} free, but in pieces too small for it:"
+                " fragmentation (expandable_segments:True lets segments grow instead)"
+            )
+            if live >= 0.9:
+                why += f", though live tensors alone take {live:.0%} of the capacity"
+        else:
+            why = "; live tensors fill the GPU"
         return (
             f"OOM {where}{module}: a request of {format_size(oom.requested_bytes)} failed with"
             f" {format_size(oom.reserved_bytes)} reserved and"
-            f" {format_size(oom.allocated_bytes)} allocated"
+            f" {format_size(oom.allocated_bytes)} allocated{why}"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -99,8 +110,9 @@ class PreflightReport:
             "",
             f"peak allocated {format_size(r.peak_allocated_bytes)}, peak reserved"
             f" {format_size(r.peak_reserved_bytes)}, headroom {sign}"
-            f"{format_size(abs(r.headroom_bytes))}, fragmentation at the peak"
-            f" {r.fragmentation:.1%}",
+            f"{format_size(abs(r.headroom_bytes))}; when reserved peaked, {r.fragmentation:.1%}"
+            " of it was cache freed by earlier phases and kept for reuse (not fragmentation"
+            " unless a request fails for want of one block: the verdict says)",
             f"verdict: {self.verdict_text()}",
         ]
         if self.remedies:

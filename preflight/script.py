@@ -64,7 +64,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from oomcast.preflight.allocconf import AllocConf, parse_alloc_conf
 from oomcast.preflight.capture import foreach_like_cuda
 from oomcast.preflight.gpus import CONTEXT_ALLOWANCE_BYTES, capacity_for
-from oomcast.preflight.replay import Replayer
+from oomcast.preflight.remedies import Remedy, largest_fitting, peak_of
+from oomcast.preflight.replay import OomAt, Replay, Replayer
 from oomcast.preflight.report import PreflightReport
 from oomcast.preflight.tracker import Listener, PhaseOp, PhaseTracker, StopCapture
 
@@ -1072,14 +1073,112 @@ def preflight_script(
         "the GPU is emulated on fake CPU tensors (no GPU is touched): CUDA-only kernels and"
         " their workspaces (cuDNN, cuBLAS, flash attention) are not seen"
     )
-    if remedies and not rep.result.fits:
-        report.notes.append(
-            "remedies are searched for jobs described with a PreflightJob; for a script as"
-            " written, rerun with a smaller batch (the script's own argument)"
-        )
+    if remedies:
+        found = batch_argument(argv)
+        if found is None:
+            if not rep.result.fits:
+                report.notes.append(
+                    "no batch-size argument found among the script's arguments"
+                    f" ({', '.join(BATCH_FLAGS[:3])}, ...): rerun with a smaller batch, or give"
+                    " it as one of those for preflight to find the largest that fits"
+                )
+        else:
+
+            def probe(batch: int) -> Replay:
+                return _probe(path, found.argv(batch), module, label, capacity, conf, total,
+                              steps, extra_steps, time_budget_s)  # fmt: skip
+
+            report.remedies.append(script_largest_batch(found, probe))
     for key in conf.ignored():
         report.notes.append(f"{key} is accepted but not modelled (see docs/preflight.md)")
     return report
+
+
+# Batch-size options that training scripts commonly take (argparse, HF's TrainingArguments
+# through HfArgumentParser); the first one found is the one preflight varies.
+BATCH_FLAGS = (
+    "--batch-size",
+    "--batch_size",
+    "--per-device-train-batch-size",
+    "--per_device_train_batch_size",
+    "--train-batch-size",
+    "--train_batch_size",
+    "--bs",
+)
+
+
+def batch_argument(argv: list[str]) -> _FoundBatch | None:
+    """The script's batch-size option and its value, where it has one of ``BATCH_FLAGS``."""
+    for i, arg in enumerate(argv):
+        for flag in BATCH_FLAGS:
+            if arg == flag and i + 1 < len(argv) and argv[i + 1].isdigit():
+                return _FoundBatch(list(argv), flag, int(argv[i + 1]), i, False)
+            if arg.startswith(flag + "=") and arg[len(flag) + 1 :].isdigit():
+                return _FoundBatch(list(argv), flag, int(arg[len(flag) + 1 :]), i, True)
+    return None
+
+
+@dataclass(frozen=True)
+class _FoundBatch:
+    original: list[str]
+    flag: str
+    value: int
+    index: int
+    joined: bool
+
+    def argv(self, batch: int) -> list[str]:
+        """The script's arguments with the batch size set to ``batch``."""
+        out, i = list(self.original), self.index
+        if self.joined:
+            out[i] = f"{self.flag}={batch}"
+        else:
+            out[i + 1] = str(batch)
+        return out
+
+
+def _probe(
+    path: str | None,
+    argv: list[str],
+    module: str | None,
+    gpu: str,
+    capacity: int,
+    conf: AllocConf,
+    total: int | None,
+    steps: int,
+    extra_steps: int,
+    time_budget_s: float,
+) -> Replay:
+    """The script traced once more with other arguments, replayed at the same capacity (the
+    trace stops at the first OOM); a run that fails is taken as not fitting."""
+    rep = Replayer(capacity, conf, total)
+    try:
+        trace_script(path, argv, module=module, gpu=gpu, total_bytes=total or capacity,
+                     steps=steps, extra_steps=extra_steps, time_budget_s=time_budget_s,
+                     listener=rep.listen)  # fmt: skip
+    except ScriptFailed:
+        rep.result.oom = OomAt(-1, "failed", "", 0, 0, 0)  # counted as not fitting
+    return rep.result
+
+
+def script_largest_batch(found: _FoundBatch, probe: Callable[[int], Replay]) -> Remedy:
+    """The largest value of the script's batch option that fits, by tracing the script again
+    (the same search as for a described job: one answer whatever the starting batch)."""
+    results: dict[int, Replay] = {}
+
+    def run(batch: int) -> Replay:
+        if batch not in results:
+            results[batch] = probe(batch)
+        return results[batch]
+
+    lo, hi = largest_fitting(run, found.value)
+    name = "largest_batch"
+    if lo == 0:
+        return Remedy(name, f"no {found.flag} fits, not even 1", peak_of(run(1)), False)
+    if hi is None:
+        change = f"{found.flag} {lo} fits (searched no further)"
+    else:
+        change = f"{found.flag} {lo} (the run uses {found.value}; {hi} does not fit)"
+    return Remedy(name, change, peak_of(run(lo)), True, lo)
 
 
 def script_notes(trace: ScriptTrace, steps: int, extra_steps: int) -> list[str]:

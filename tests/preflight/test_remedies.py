@@ -87,3 +87,21 @@ def test_expandable_segments_is_offered_unless_set() -> None:
     assert _remedy(off.remedies, "expandable_segments").fits
     on = preflight(job, capacity_bytes=GIB, steps=1, alloc_conf="expandable_segments:True")
     assert not [m for m in on.remedies if m.name == "expandable_segments"]
+
+
+def test_the_largest_batch_does_not_depend_on_the_batch_the_search_started_from() -> None:
+    """Where fitting is not monotone in the batch (allocator rounding), a search that starts
+    from the job's own batch can land on different answers (64 from one start, 90 from
+    another); anchored on powers of two, every start brackets the same interval."""
+    from oomcast.preflight.remedies import largest_fitting
+    from oomcast.preflight.replay import OomAt, Replay
+
+    def run(batch: int) -> Replay:
+        r = Replay(1 << 30)
+        if not (batch <= 64 or 80 <= batch <= 90):
+            r.oom = OomAt(0, "forward", "", 1, 1, 1)
+        return r
+
+    answers = {start: largest_fitting(run, start) for start in (64, 65, 96, 100, 127)}
+    assert set(answers.values()) == {(90, 91)}, answers
+    assert largest_fitting(run, 16) == (90, 91)  # up from 16: 32, 64 fit, 128 does not

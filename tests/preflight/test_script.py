@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support import oomcast_cmd
@@ -428,3 +429,39 @@ def test_gradient_checkpointing_recomputes_in_the_backward_and_the_eval_is_still
     phases = [(p.step, p.phase) for p in report.replay.phases]
     assert (2, "eval") in phases and report.batch_size == 64
     assert not any("ran the model's last train call again" in n for n in report.notes)
+
+
+@pytest.mark.slow  # a few dozen short fake runs of the script
+def test_a_scripts_largest_batch_is_found_through_its_own_argument(tmp_path: Path) -> None:
+    """The script is traced again at other values of its --batch-size: the largest that
+    fits, the same from any starting batch, and checked alone it fits and the next does not."""
+    script = _script(tmp_path, PLAIN)
+    cap = 160 << 20
+
+    def report(*args: str, remedies: bool = True) -> Any:
+        argv = ["--out", str(tmp_path / "c.pt"), *args]
+        return preflight_script(str(script), argv, capacity_bytes=cap, remedies=remedies)
+
+    found = []
+    for start in (["--batch-size", "64"], ["--batch-size=3000"]):
+        (best,) = [m for m in report(*start).remedies if m.name == "largest_batch"]
+        assert best.fits and best.value is not None, best
+        found.append(best.value)
+    assert found[0] == found[1], found
+    assert (
+        f"--batch-size {found[0]} (the run uses 64;"
+        in report("--batch-size", "64").remedies[0].change
+    )
+    assert report("--batch-size", str(found[0]), remedies=False).fits
+    assert not report("--batch-size", str(found[0] + 1), remedies=False).fits
+
+
+def test_the_batch_argument_is_found_in_either_spelling() -> None:
+    from oomcast.preflight.script import batch_argument
+
+    assert batch_argument(["--lr", "3e-4"]) is None
+    found = batch_argument(["--lr", "3e-4", "--per_device_train_batch_size", "16", "x"])
+    assert found is not None and found.value == 16
+    assert found.argv(4) == ["--lr", "3e-4", "--per_device_train_batch_size", "4", "x"]
+    joined = batch_argument(["--batch-size=32"])
+    assert joined is not None and joined.argv(48) == ["--batch-size=48"]

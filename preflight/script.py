@@ -691,7 +691,6 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
         "empty_cache": noop,
         "manual_seed": noop,
         "manual_seed_all": noop,
-        "reset_peak_memory_stats": noop,
         "get_rng_state": lambda *a, **k: _rng_state(),
         "get_rng_state_all": lambda *a, **k: [_rng_state()],
         "set_rng_state": noop,
@@ -699,16 +698,47 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
         "seed": noop,
         "seed_all": noop,
         "initial_seed": lambda: 0,
-        "memory_allocated": lambda *a, **k: 0,
-        "max_memory_allocated": lambda *a, **k: 0,
-        "memory_reserved": lambda *a, **k: 0,
-        "max_memory_reserved": lambda *a, **k: 0,
+        # the traced bytes as the run goes (a script that logs them sees its own use); the
+        # reserved figures need the allocator's replay: the report has them
+        "memory_allocated": lambda *a, **k: tracker.live_bytes,
+        "max_memory_allocated": lambda *a, **k: tracker.peak_bytes,
+        "memory_reserved": lambda *a, **k: tracker.live_bytes,
+        "max_memory_reserved": lambda *a, **k: tracker.peak_bytes,
+        "reset_peak_memory_stats": lambda *a, **k: setattr(
+            tracker, "peak_bytes", tracker.live_bytes
+        ),
     }
     with contextlib.ExitStack() as stack:
         for name, value in patches.items():
             if hasattr(cuda, name):
                 stack.enter_context(_patched(cuda, name, value))
+        # Mixed precision: the tensors here are CPU tensors, which autocast("cuda") leaves
+        # alone; the same autocast on the CPU casts the same kind of ops (matmuls, convs,
+        # attention) to the lower precision, so activations are counted at their size.
+        stack.enter_context(_patched(torch, "autocast", _CudaAutocastOnCpu))
+        stack.enter_context(_patched(torch.amp, "autocast", _CudaAutocastOnCpu))
+        stack.enter_context(_patched(torch.cuda.amp, "autocast", _cuda_amp_autocast))
         yield
+
+
+class _CudaAutocastOnCpu(torch.amp.autocast_mode.autocast):
+    """``torch.autocast("cuda", ...)`` as the emulated GPU runs it: on the CPU tensors."""
+
+    def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
+        if device_type == "cuda":
+            device_type = "cpu"
+            if kwargs.get("dtype", args[0] if args else None) is None:
+                kwargs["dtype"] = torch.float16  # CUDA autocast's default; the CPU's is bf16
+                args = args[1:]
+        super().__init__(device_type, *args, **kwargs)
+
+
+def _cuda_amp_autocast(*args: Any, **kwargs: Any) -> _CudaAutocastOnCpu:
+    """``torch.cuda.amp.autocast(enabled, dtype, cache_enabled)``, deprecated but common."""
+    names = ("enabled", "dtype", "cache_enabled")
+    kw = {**dict(zip(names, args, strict=False)), **kwargs}
+    kw.setdefault("dtype", torch.float16)
+    return _CudaAutocastOnCpu("cuda", **kw)
 
 
 def _convert(module: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -68,6 +68,9 @@ class PhaseTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         self._next_id = 1
         self.modules = ModuleStack()
         self._finalizers: list[weakref.finalize[Any, Any]] = []
+        self._sizes: dict[int, int] = {}  # sid -> bytes, of the live storages
+        self.live_bytes = 0  # what torch.cuda.memory_allocated would say, as the run goes
+        self.peak_bytes = 0
 
     # -- modules ------------------------------------------------------------------------------
     def watch(self, model: nn.Module) -> None:
@@ -105,12 +108,16 @@ class PhaseTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         sid = self._next_id
         self._next_id += 1
         self._live[key] = sid
+        self._sizes[sid] = size
+        self.live_bytes += size
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self._finalizers.append(weakref.finalize(st, self._freed, key, sid))
         return PhaseOp(True, sid, size, phase, self.step, module)
 
     def _freed(self, key: int, sid: int) -> None:
         if self._live.get(key) == sid:
             del self._live[key]
+            self.live_bytes -= self._sizes.pop(sid, 0)
             op = PhaseOp(False, sid, 0, self.phase, self.step, "")
             self.ops.append(op)
             if self.listener is not None and not self.stopped:

@@ -4,25 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from oomcast.preflight.allocconf import AllocConf, parse_alloc_conf
+from oomcast.preflight.allocconf import AllocConf
 from oomcast.preflight.capture import capture_job, resolve_device
-from oomcast.preflight.gpus import CONTEXT_ALLOWANCE_BYTES, capacity_for
+from oomcast.preflight.gpus import CONTEXT_ALLOWANCE_BYTES
 from oomcast.preflight.job import PreflightJob
 from oomcast.preflight.remedies import find_remedies
-from oomcast.preflight.replay import Replay, Replayer
+from oomcast.preflight.replay import Replay
 from oomcast.preflight.report import PreflightReport
+from oomcast.preflight.target import Target
 
 
 @dataclass(frozen=True)
 class _Checker:
-    capacity_bytes: int
-    total_bytes: int | None
+    target: Target
     steps: int
     device: str
 
     def __call__(self, job: PreflightJob, conf: AllocConf) -> Replay:
         # replayed as it runs, so a run that OOMs early ends there
-        rep = Replayer(self.capacity_bytes, conf, self.total_bytes)
+        rep = self.target.replayer(conf)
         capture_job(job, fake=True, device=self.device, steps=self.steps, listener=rep.listen)
         return rep.result
 
@@ -44,29 +44,23 @@ def preflight(
     ``capacity_bytes`` is the memory the caching allocator may reserve; without it, the
     GPU's total less ``context_bytes``.
     """
-    label, capacity, total = capacity_for(gpu, capacity_bytes, context_bytes)
-    conf = alloc_conf if isinstance(alloc_conf, AllocConf) else parse_alloc_conf(alloc_conf)
-    check = _Checker(capacity, total, steps, device)
-    base = check(job, conf)
-    report = PreflightReport(
+    target = Target.resolve(gpu, capacity_bytes, context_bytes, alloc_conf)
+    check = _Checker(target, steps, device)
+    base = check(job, target.conf)
+    report = target.report(
         job=job.name,
-        gpu=label,
-        capacity_bytes=capacity,
-        total_bytes=total,
-        alloc_conf=conf.to_string(),
         batch_size=job.batch_size,
         device=resolve_device(device),
         steps=steps,
         replay=base,
     )
     if remedies:
-        report.remedies = find_remedies(job, conf, check, base)
+        report.remedies = find_remedies(job, target.conf, check, base)
     if report.device != "cuda":
-        report.notes.append(
+        report.notes.insert(
+            0,
             "captured on CPU kernels (this torch has no CUDA): CUDA-only kernels and"
             " workspaces (cuDNN, cuBLAS, flash attention) are not seen; the optimizer runs"
-            " its foreach path as it would on CUDA"
+            " its foreach path as it would on CUDA",
         )
-    for key in conf.ignored():
-        report.notes.append(f"{key} is accepted but not modelled (see docs/preflight.md)")
     return report

@@ -61,12 +61,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from oomcast.preflight.allocconf import AllocConf, parse_alloc_conf
+from oomcast.preflight.allocconf import AllocConf
 from oomcast.preflight.capture import foreach_like_cuda
-from oomcast.preflight.gpus import CONTEXT_ALLOWANCE_BYTES, capacity_for
+from oomcast.preflight.gpus import CONTEXT_ALLOWANCE_BYTES
 from oomcast.preflight.remedies import Remedy, largest_fitting, peak_of
-from oomcast.preflight.replay import OomAt, Replay, Replayer
+from oomcast.preflight.replay import OomAt, Replay
 from oomcast.preflight.report import PreflightReport
+from oomcast.preflight.target import Target
 from oomcast.preflight.tracker import Listener, PhaseOp, PhaseTracker, StopCapture
 
 EXTRA_STEPS = 20  # optimizer steps past ``steps`` to wait for the script's own eval / save
@@ -1055,16 +1056,15 @@ def preflight_script(
     from oomcast.preflight.api import preflight
     from oomcast.preflight.session import PreflightSubmitted, session
 
-    label, capacity, total = capacity_for(gpu, capacity_bytes, context_bytes)
-    conf = alloc_conf if isinstance(alloc_conf, AllocConf) else parse_alloc_conf(alloc_conf)
-    rep = Replayer(capacity, conf, total)
+    target = Target.resolve(gpu, capacity_bytes, context_bytes, alloc_conf)
+    rep = target.replayer()
     with session() as s:
         trace = trace_script(
             path,
             argv,
             module=module,
-            gpu=label,
-            total_bytes=total or capacity,
+            gpu=target.label,
+            total_bytes=target.total_bytes or target.capacity_bytes,
             steps=steps,
             extra_steps=extra_steps,
             time_budget_s=time_budget_s,
@@ -1080,29 +1080,25 @@ def preflight_script(
         options = {
             "gpu": gpu,
             "capacity_bytes": capacity_bytes,
-            "alloc_conf": conf,
+            "alloc_conf": target.conf,
             "steps": steps,
             "context_bytes": context_bytes,
             "remedies": remedies,
             **{k: v for k, v in s.options.items() if k != "device"},
         }
         return preflight(s.job, **options)
-    report = PreflightReport(
+    report = target.report(
         job=Path(path).name if path is not None else f"-m {module}",
-        gpu=label,
-        capacity_bytes=capacity,
-        total_bytes=total,
-        alloc_conf=conf.to_string(),
         batch_size=trace.batch_size or 0,
         device=trace.device,
         steps=trace.steps_done,
         replay=rep.result,
     )
-    report.notes += script_notes(trace, steps, extra_steps)
-    report.notes.append(
+    report.notes[:0] = [
+        *script_notes(trace, steps, extra_steps),
         "the GPU is emulated on fake CPU tensors (no GPU is touched): CUDA-only kernels and"
-        " their workspaces (cuDNN, cuBLAS, flash attention) are not seen"
-    )
+        " their workspaces (cuDNN, cuBLAS, flash attention) are not seen",
+    ]
     if remedies:
         found = batch_argument(argv)
         if found is None:
@@ -1115,12 +1111,10 @@ def preflight_script(
         else:
 
             def probe(batch: int) -> Replay:
-                return _probe(path, found.argv(batch), module, label, capacity, conf, total,
-                              steps, extra_steps, time_budget_s)  # fmt: skip
+                return _probe(path, found.argv(batch), module, target, steps, extra_steps,
+                              time_budget_s)  # fmt: skip
 
             report.remedies.append(script_largest_batch(found, probe))
-    for key in conf.ignored():
-        report.notes.append(f"{key} is accepted but not modelled (see docs/preflight.md)")
     return report
 
 
@@ -1170,19 +1164,17 @@ def _probe(
     path: str | None,
     argv: list[str],
     module: str | None,
-    gpu: str,
-    capacity: int,
-    conf: AllocConf,
-    total: int | None,
+    target: Target,
     steps: int,
     extra_steps: int,
     time_budget_s: float,
 ) -> Replay:
     """The script traced once more with other arguments, replayed at the same capacity (the
     trace stops at the first OOM); a run that fails is taken as not fitting."""
-    rep = Replayer(capacity, conf, total)
+    rep = target.replayer()
+    total = target.total_bytes or target.capacity_bytes
     try:
-        trace_script(path, argv, module=module, gpu=gpu, total_bytes=total or capacity,
+        trace_script(path, argv, module=module, gpu=target.label, total_bytes=total,
                      steps=steps, extra_steps=extra_steps, time_budget_s=time_budget_s,
                      listener=rep.listen)  # fmt: skip
     except ScriptFailed:

@@ -101,7 +101,9 @@ class Settings(BaseSettings):
     webhook_secret: SecretStr | None = None
     # Webhook and Alertmanager deliveries (the durable outbox, service/delivery/outbox.py): retried
     # with capped exponential backoff, across restarts, until delivery_max_age_s.
-    delivery_timeout_s: float = Field(default=5.0, gt=0, description="one attempt's timeout")
+    delivery_timeout_s: float = Field(
+        default=5.0, gt=0, description="one attempt's deadline: connect, send and the answer"
+    )
     delivery_backoff_s: float = Field(default=0.5, gt=0, description="first retry's delay")
     delivery_backoff_max_s: float = Field(default=30.0, gt=0)
     delivery_max_age_s: float = Field(
@@ -114,7 +116,9 @@ class Settings(BaseSettings):
         default=30.0, gt=0, description="a worker that died holding a delivery frees it then"
     )
     delivery_poll_s: float = Field(default=0.5, gt=0, description="how often retries are due")
-    delivery_concurrency: int = Field(default=32, ge=1, description="attempts in flight at once")
+    delivery_concurrency: int = Field(
+        default=32, ge=1, description="attempts in flight at once, per target"
+    )
 
     alertmanager_url: str | None = None  # e.g. http://alertmanager:9093
     alertmanager_resend_s: float = Field(default=60.0, gt=0)

@@ -5,6 +5,7 @@ redis-server, and ``oomcast serve`` as a real process. Tests ``from support impo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -216,6 +217,12 @@ class WebhookReceiver:
     def __init__(self, port: int = 0) -> None:
         self.requests: list[dict[str, Any]] = []
         self.statuses: list[int] = []  # answered in order; 200 once exhausted
+        # a misbehaving receiver: its next ``drip_answers`` answers come a byte every
+        # ``drip_s``; ``body_bytes`` of body follow each answer, as fast as they are taken
+        self.drip_answers = 0
+        self.drip_s = 0.2
+        self.body_bytes = 0
+        self.body_sent: list[int] = []  # bytes of body each answer got out before a hang-up
         self._lock = threading.Lock()
         receiver = self
 
@@ -234,8 +241,30 @@ class WebhookReceiver:
                             "at": time.time(),
                         }
                     )
+                with receiver._lock:
+                    drip = receiver.drip_answers > 0
+                    receiver.drip_answers -= drip
+                if drip:  # the status line and a long header, one byte at a time
+                    head = f"HTTP/1.1 {status} OK\r\nX-Pad: {'p' * 400}\r\n\r\n".encode()
+                    with contextlib.suppress(OSError):
+                        for i in range(len(head)):
+                            self.wfile.write(head[i : i + 1])
+                            self.wfile.flush()
+                            time.sleep(receiver.drip_s)
+                    self.close_connection = True
+                    return
                 self.send_response(status)
+                if receiver.body_bytes:
+                    self.send_header("Content-Length", str(receiver.body_bytes))
                 self.end_headers()
+                sent, chunk = 0, b"x" * (1 << 20)
+                with contextlib.suppress(OSError):
+                    while sent < receiver.body_bytes:
+                        self.wfile.write(chunk[: receiver.body_bytes - sent])
+                        sent += min(len(chunk), receiver.body_bytes - sent)
+                if receiver.body_bytes:
+                    receiver.body_sent.append(sent)
+                    self.close_connection = True
 
             def log_message(self, *args: Any) -> None:
                 pass

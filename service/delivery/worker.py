@@ -42,6 +42,7 @@ DELIVERY_HEADER = "X-Oomcast-Delivery"
 # What a receiver answers when the body itself is wrong: retrying the same body cannot help.
 REFUSED = frozenset({400, 413, 415, 422})
 HEALTH_EVERY_S = 1.0
+ERROR_BODY_BYTES = 4096  # of an error answer, for the audit; the rest is never read
 
 
 class Target(Protocol):
@@ -189,7 +190,11 @@ class DeliveryWorker:
                 now = self._clock()
                 took = 0
                 for name in self.targets:
-                    free = self.concurrency - len(self._inflight)
+                    # each target has its own slots: a receiver that hangs holds its own
+                    # attempts, never another target's (Alertmanager beside a stalled webhook)
+                    free = self.concurrency - self._busy(name)
+                    if free <= 0:
+                        continue
                     got = await self.outbox.claim(
                         name, now, claim_s=self.claim_s, limit=free, worker=self.worker
                     )
@@ -202,7 +207,7 @@ class DeliveryWorker:
                     last_health = time.monotonic()
                     self._on_health(await self.outbox.health(now))
                 backoff = 0.2
-                if took == 0 or len(self._inflight) >= self.concurrency:
+                if took == 0 or all(self._busy(n) >= self.concurrency for n in self.targets):
                     await self._idle()
             except asyncio.CancelledError:
                 raise
@@ -214,6 +219,9 @@ class DeliveryWorker:
                 log.exception("delivery loop failed; going on in %.1fs", backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(5.0, backoff * 2)
+
+    def _busy(self, target: str) -> int:
+        return sum(1 for c in self._inflight.values() if c.delivery.target == target)
 
     async def _idle(self) -> None:
         """Until something is staged here, an attempt ends, or the poll interval passes (a
@@ -277,12 +285,25 @@ class DeliveryWorker:
             return Tried(None, f"could not build the request: {type(exc).__name__}: {exc}"[:300])
         headers = {**headers, DELIVERY_HEADER: d.id}
         try:
-            resp = await self._client.post(url, content=body, headers=headers)
+            # The whole attempt, not each read, is bounded: a receiver that drips its answer
+            # a byte at a time would otherwise hold it (and its claim) for minutes. Only
+            # the status and at most ERROR_BODY_BYTES of an error's body are read.
+            async with asyncio.timeout(self.timeout_s):
+                async with self._client.stream("POST", url, content=body, headers=headers) as resp:
+                    said = b""
+                    if resp.status_code >= 300:
+                        async for chunk in resp.aiter_raw():
+                            said += chunk
+                            if len(said) >= ERROR_BODY_BYTES:
+                                break
+        except TimeoutError:
+            return Tried(None, f"no answer within {self.timeout_s:g} s (the attempt's deadline)")
         except httpx.HTTPError as exc:
             return Tried(None, f"{type(exc).__name__}: {exc}"[:300])
         error = f"HTTP {resp.status_code}"
-        if resp.status_code >= 300 and resp.text:
-            error += f": {resp.text[:200]}"
+        text = said[:200].decode("utf-8", "replace")
+        if text:
+            error += f": {text}"
         return Tried(resp.status_code, error, _retry_after(resp))
 
     def _backoff(self, attempts: int, retry_after_s: float | None) -> float:

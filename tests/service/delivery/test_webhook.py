@@ -158,3 +158,72 @@ def test_signature_helpers_agree() -> None:
     assert not verify_signature(body + b" ", sig, SECRET)
     assert not verify_signature(body, sig, "other")
     assert not verify_signature(body, None, SECRET)
+
+
+def test_a_receiver_that_drips_its_answer_is_cut_at_the_attempts_deadline(
+    redis_url: str, key_prefix: str, webhook_receiver: WebhookReceiver
+) -> None:
+    """Its status line a byte every 0.2 s never trips a per-read timeout of 0.5 s: the
+    attempt held for 85 s (and its claim ran out under it). The whole attempt is bounded."""
+    webhook_receiver.drip_answers = 1
+    started = time.monotonic()
+    results = _send(redis_url, key_prefix, webhook_receiver, [alert()])
+    assert results == ["retry", "delivered"]
+    assert time.monotonic() - started < 10
+
+
+def test_only_the_start_of_an_answer_is_read(
+    redis_url: str, key_prefix: str, webhook_receiver: WebhookReceiver
+) -> None:
+    """A receiver that answers with 256 MiB: the service read it all into memory (a 1 GiB
+    answer took it from 2.5 to 4.1 GB). Now it reads the status and hangs up."""
+    webhook_receiver.body_bytes = 256 << 20
+    webhook_receiver.statuses = [500]
+    assert _send(redis_url, key_prefix, webhook_receiver, [alert()]) == ["retry", "delivered"]
+    assert wait_until(lambda: len(webhook_receiver.body_sent) == 2, 10)
+    assert max(webhook_receiver.body_sent) < 64 << 20, webhook_receiver.body_sent
+
+
+def test_a_stalled_target_does_not_hold_another_targets_slots(
+    redis_url: str, key_prefix: str, webhook_receiver: WebhookReceiver
+) -> None:
+    """Slots are per target: with every one of the webhook's held by a receiver that drips,
+    the other target's delivery goes at once (an Alertmanager push once waited 59 s)."""
+    other = WebhookReceiver()
+    webhook_receiver.drip_answers = 100
+    webhook_receiver.drip_s = 0.1
+
+    class Second(WebhookTarget):
+        name = "alertmanager"
+
+    took: dict[str, float] = {}
+
+    async def go() -> None:
+        client = aioredis.from_url(redis_url)
+        outbox = Outbox(client, Keys(key_prefix))
+        stalled, fine = WebhookTarget(webhook_receiver.url, SECRET), Second(other.url, SECRET)
+        worker = DeliveryWorker(
+            outbox,
+            {"webhook": stalled, "alertmanager": fine},
+            audit_stream=Keys(key_prefix).alerts,
+            timeout_s=5.0,
+            claim_s=10.0,
+            poll_s=0.02,
+            concurrency=2,
+        )
+        await worker.start()
+        now = time.time()
+        await outbox.put([new_delivery(stalled, alert(f"gpu{i}"), now) for i in range(4)], now)
+        await asyncio.sleep(0.3)  # both of the webhook's slots are taken by now
+        started = time.monotonic()
+        await outbox.put([new_delivery(fine, alert("gpu9"), time.time())], time.time())
+        assert await asyncio.to_thread(wait_until, lambda: len(other.requests) == 1, 10)
+        took["other"] = time.monotonic() - started
+        await worker.stop(grace_s=0.1)
+        await client.aclose()
+
+    try:
+        asyncio.run(go())
+    finally:
+        other.close()
+    assert took["other"] < 2.0, took

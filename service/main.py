@@ -119,6 +119,8 @@ def build_context(settings: Settings) -> ServiceContext:
         history_len=settings.history_len,
         resync_after=settings.resync_after,
         attest_window_s=settings.attest_window_s,
+        max_domains=settings.max_domains,
+        max_domains_per_node=settings.max_domains_per_node,
     )
     # With leases, no round trip may outlast the slack between a lease's local deadline
     # and its expiry in Redis plus the commit margin (service/cluster/ownership.py): 0.4 x the TTL.

@@ -151,6 +151,14 @@ class Settings(BaseSettings):
     # Node actions (checkpoint, shed) need every sample of the domain for this long to be
     # attested (signed with the domain's own node key); samples over HTTP never are.
     attest_window_s: float = Field(default=600.0, ge=0)
+    # Caps on the live domains one replica holds (each ~28 KB, docs/scaling.md): a new
+    # domain past them is dead-lettered (domain_cap) and counted; held ones go on.
+    max_domains: int = Field(
+        default=50_000, ge=1, description="live domains one replica holds at most (~1.4 GB)"
+    )
+    max_domains_per_node: int = Field(
+        default=512, ge=1, description="live domains of one node at most (GPUs and cgroups)"
+    )
     # OOMCAST_REDIS_URL names one node of a Redis Cluster (any node: the client learns the
     # others from it); every process of the deployment, agents included, must say so too.
     redis_cluster: bool = False

@@ -72,6 +72,7 @@ REJECT_CODES = (
     "out_of_order",  # not after the previous sample of its domain
     "unattested",  # unsigned, while the domain's own node signs its samples
     "wrong_partition",  # in a partition's stream its node does not hash to
+    "domain_cap",  # a new domain past the cap on live domains (per node, or in all)
 )
 
 

@@ -10,6 +10,8 @@ it and handles Redis and deliveries itself.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -164,6 +166,18 @@ def tune_gc() -> None:
     gc.set_threshold(50_000, 20, 100)
 
 
+TRIM_AFTER = 1000  # domains dropped at once before the process hands freed memory back
+
+
+def return_memory() -> None:
+    """Collect, then ask glibc to give freed heap pages back to the system: Python keeps
+    freed memory for reuse, so a flood of domains that expired left the service's RSS at
+    1 GB. Where there is no glibc, nothing more than the collection happens."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 RESYNC_SLACK_S = 5.0  # how far ahead of the service's clock a newest sample may honestly be
 
 
@@ -180,6 +194,8 @@ class LiveState:
         history_len: int = 600,
         resync_after: int = 3,
         attest_window_s: float = 600.0,
+        max_domains: int | None = None,
+        max_domains_per_node: int | None = None,
     ) -> None:
         self.forecaster = forecaster
         self.rules = list(rules)
@@ -187,7 +203,14 @@ class LiveState:
         self.history_len = history_len
         self.resync_after = resync_after
         self.attest_window_s = attest_window_s
+        # Caps on the domains held: each costs ~28 KB (docs/scaling.md), and anyone who can
+        # write a stream could otherwise make a million. A new domain past either is refused
+        # (dead-lettered as domain_cap); the domains already held go on.
+        self.max_domains = max_domains
+        self.max_domains_per_node = max_domains_per_node
         self.domains: dict[Domain, DomainState] = {}
+        self.per_node: dict[str, int] = {}
+        self.events_over_cap = 0  # events of new domains past the caps, dropped
 
     def _end_episodes(
         self, st: DomainState, reason: str, *, now: float, new_job: bool, job: str | None
@@ -208,8 +231,38 @@ class LiveState:
         st = self.domains.get(domain)
         if st is None:
             st = DomainState(domain, self.forecaster.init_state(), History(self.history_len))
-            self.domains[domain] = st
+            self._hold(st)
         return st
+
+    def _hold(self, st: DomainState) -> None:
+        if st.domain not in self.domains:
+            self.per_node[st.domain[0]] = self.per_node.get(st.domain[0], 0) + 1
+        self.domains[st.domain] = st
+
+    def _drop(self, domain: Domain) -> DomainState | None:
+        st = self.domains.pop(domain, None)
+        if st is not None:
+            left = self.per_node.get(domain[0], 1) - 1
+            if left > 0:
+                self.per_node[domain[0]] = left
+            else:
+                self.per_node.pop(domain[0], None)
+            release_state(self.forecaster, st.forecaster_state)
+        return st
+
+    def over_cap(self, domain: Domain) -> str | None:
+        """Why a new ``domain`` may not be held (None: it may, or it is held already)."""
+        if domain in self.domains:
+            return None
+        if self.max_domains is not None and len(self.domains) >= self.max_domains:
+            return f"{len(self.domains)} domains are held, the cap (OOMCAST_MAX_DOMAINS)"
+        held = self.per_node.get(domain[0], 0)
+        if self.max_domains_per_node is not None and held >= self.max_domains_per_node:
+            return (
+                f"node {domain[0]} has {held} domains, the cap per node"
+                " (OOMCAST_MAX_DOMAINS_PER_NODE)"
+            )
+        return None
 
     def _restart_forecaster(self, st: DomainState) -> None:
         release_state(self.forecaster, st.forecaster_state)
@@ -259,6 +312,13 @@ class LiveState:
         self, sample: Sample, attested: bool, now: float, result: Applied
     ) -> DomainState | None:
         """The domain's state, ready for this sample; None when the sample is refused."""
+        full = self.over_cap(sample.domain)
+        if full is not None:
+            problem = SchemaError(
+                "", f"{sample.node}/{sample.device}: a new domain, refused: {full}"
+            )
+            result.rejected.append(Rejected(sample, problem, "domain_cap"))
+            return None
         st = self._state(sample.domain)
         if (
             not attested
@@ -479,7 +539,11 @@ class LiveState:
 
     def on_event(self, event: Event, now: float) -> list[Alert]:
         """Record an event; an OOM ends the domain's episodes and restarts its forecaster; a
-        schedule is kept for the domain's phase forecasts."""
+        schedule is kept for the domain's phase forecasts. An event of a new domain past
+        the caps is dropped (counted by ingest as ``events_over_cap``)."""
+        if self.over_cap(event.domain) is not None:
+            self.events_over_cap += 1
+            return []
         if isinstance(event, ScheduleEvent):
             st = self._state(event.domain)
             st.last_seen_wall = max(st.last_seen_wall, now)  # not expired before its samples
@@ -501,13 +565,16 @@ class LiveState:
         """Forget domains silent for ``live_after_s``; a firing episode ends with a resolved
         alert that says why, rather than just vanishing."""
         out = []
+        dropped = 0
         for domain, st in list(self.domains.items()):
             if now - st.last_seen_wall <= live_after_s:
                 continue
             reason = f"no samples for {now - st.last_seen_wall:.0f}s"
             out.extend(self._end_episodes(st, reason, now=now, new_job=False, job=st.job))
-            release_state(self.forecaster, st.forecaster_state)
-            del self.domains[domain]
+            self._drop(domain)
+            dropped += 1
+        if dropped >= TRIM_AFTER:
+            return_memory()
         return out
 
     def live(self, now: float, live_after_s: float) -> list[DomainState]:
@@ -568,19 +635,14 @@ class LiveState:
         )
         if st is None:
             return None
-        old = self.domains.pop(st.domain, None)
-        if old is not None:
-            release_state(self.forecaster, old.forecaster_state)
-        self.domains[st.domain] = st
+        self._drop(st.domain)
+        self._hold(st)
         return st
 
     def forget(self, domains: Iterable[Domain]) -> int:
         """Drop domains without a word (no resolved alerts): their partition now belongs to
         another replica, which carries their episodes on. Returns how many were dropped."""
-        n = 0
-        for domain in list(domains):
-            st = self.domains.pop(domain, None)
-            if st is not None:
-                release_state(self.forecaster, st.forecaster_state)
-                n += 1
+        n = sum(self._drop(domain) is not None for domain in list(domains))
+        if n >= TRIM_AFTER:
+            return_memory()
         return n

@@ -210,3 +210,28 @@ def test_skipping_quiet_domains_decides_what_running_every_rule_decides(
     ref = _reference(rules, applied, RiskIsUse())
     assert len(ref) > 20, "the walk must cross the bars often enough to mean something"
     assert got == ref
+
+
+def test_new_domains_past_the_caps_are_refused_and_held_ones_go_on() -> None:
+    """Anyone who can write a stream could make domains without end (10 x 10,000 took the
+    service from 114 MB to 2.5 GB). Past the cap per node or in all, a new domain's samples
+    are refused with the code domain_cap, its events dropped; the held domains go on, and a
+    domain that expires makes room."""
+    st = LiveState(ThresholdBaseline(0.9), [policy_rule(POLICY)], horizon_s=POLICY.horizon_s,
+                   max_domains=3, max_domains_per_node=2)  # fmt: skip
+    first = st.apply([sample(1.0, device="g0"), sample(1.0, device="g1"),
+                      sample(1.0, device="g2")], now=100.0)  # fmt: skip
+    assert [(s.device, code) for s, _, code in first.rejected] == [("g2", "domain_cap")]
+    assert "cap per node (OOMCAST_MAX_DOMAINS_PER_NODE)" in str(first.rejected[0].problem)
+    second = st.apply([sample(1.0, node="n2"), sample(1.0, node="n3")], now=100.0)
+    assert [(s.node, code) for s, _, code in second.rejected] == [("n3", "domain_cap")]
+    assert "(OOMCAST_MAX_DOMAINS)" in str(second.rejected[0].problem)
+    assert st.on_event(Event(1.0, "n4", "gpu0", "oom"), now=100.0) == []
+    assert st.events_over_cap == 1 and ("n4", "gpu0") not in st.domains
+    held = st.apply([sample(2.0, device="g0"), sample(2.0, node="n2")], now=110.0)
+    assert held.rejected == [] and len(held.forecasts) == 2
+    assert st.per_node == {"n1": 2, "n2": 1}
+    st.apply([sample(50.0, device="g0"), sample(50.0, node="n2")], now=150.0)
+    st.expire(now=200.0, live_after_s=60.0)  # n1/g1 has been silent since 100
+    assert st.per_node == {"n1": 1, "n2": 1}
+    assert st.apply([sample(60.0, device="g2")], now=200.0).rejected == []

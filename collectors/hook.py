@@ -330,7 +330,10 @@ class MemoryHook(BundleHook):
         ev = self._note_oom("exception", type(exc).__name__ if exc is not None else None)
         # the error's own first line says what was asked ("Tried to allocate 2.00 GiB"):
         # `oomcast explain` reads the failing request from it when no memory history has it
-        first = (str(exc).strip().splitlines() or [""])[0][:300] if exc is not None else ""
+        try:  # an exception's own __str__ may fail: the OOM is still reported
+            first = (str(exc).strip().splitlines() or [""])[0][:300] if exc is not None else ""
+        except Exception:
+            first = ""
         said = type(exc).__name__ if exc is not None else "reported"
         said += f": {first}" if first else ""
         self.bundle_soon(f"out of memory: {said}")

@@ -65,7 +65,7 @@ from oomcast.preflight.allocconf import AllocConf
 from oomcast.preflight.capture import foreach_like_cuda
 from oomcast.preflight.gpus import CONTEXT_ALLOWANCE_BYTES
 from oomcast.preflight.remedies import Remedy, largest_fitting, peak_of
-from oomcast.preflight.replay import OomAt, Replay
+from oomcast.preflight.replay import Replay
 from oomcast.preflight.report import PreflightReport
 from oomcast.preflight.target import Target
 from oomcast.preflight.tracker import Listener, PhaseOp, PhaseTracker, StopCapture
@@ -404,16 +404,21 @@ class _Phases:
 
     def backward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            self._enter("backward")
-            depth, self.in_backward = self.depth, True
+            # Gradient checkpointing runs module forwards again inside the backward: the
+            # reentrant kind through a backward of its own (nested here), the non-reentrant
+            # kind stopping them part-way (no forward hook after). Either way they are the
+            # backward's, and leave the call depth and the module labels where they were.
+            outer = not self.in_backward
+            if outer:
+                self._enter("backward")
+            depth, height = self.depth, self.t.modules.height()
+            self.in_backward = True
             try:
                 out = fn(*args, **kwargs)
             finally:
-                # Gradient checkpointing runs module forwards again inside the backward, and
-                # the non-reentrant kind stops them part-way (no forward hook after): they
-                # are the backward's, and leave the call depth where it was.
-                self.depth, self.in_backward = depth, False
-            if self.in_step:  # optimizer.step(closure): the closure is done, the step goes on
+                self.depth, self.in_backward = depth, not outer
+                self.t.modules.cut(height)
+            if outer and self.in_step:  # optimizer.step(closure): the closure is done
                 self._enter("optimizer")
             return out
 
@@ -700,7 +705,8 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
         "seed_all": noop,
         "initial_seed": lambda: 0,
         # the traced bytes as the run goes (a script that logs them sees its own use); the
-        # reserved figures need the allocator's replay: the report has them
+        # reserved figures need the allocator's replay, which the report has: here they
+        # read the same as allocated (a lower bound; reserved - allocated reads 0)
         "memory_allocated": lambda *a, **k: tracker.live_bytes,
         "max_memory_allocated": lambda *a, **k: tracker.peak_bytes,
         "memory_reserved": lambda *a, **k: tracker.live_bytes,
@@ -719,7 +725,17 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
         stack.enter_context(_patched(torch, "autocast", _CudaAutocastOnCpu))
         stack.enter_context(_patched(torch.amp, "autocast", _CudaAutocastOnCpu))
         stack.enter_context(_patched(torch.cuda.amp, "autocast", _cuda_amp_autocast))
+        # fp16's GradScaler skips the optimizer step when a gradient is inf or NaN, which it
+        # learns from a value (found_inf.item()); fake tensors have none, and the stand-in
+        # would skip every step: the step is always taken (an overflow is rare, and the
+        # memory is the same either way)
+        scaler = torch.amp.grad_scaler.GradScaler
+        stack.enter_context(_patched(scaler, "_maybe_opt_step", _always_step))
         yield
+
+
+def _always_step(scaler: Any, optimizer: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
+    return optimizer.step(*args, **kwargs)
 
 
 class _CudaAutocastOnCpu(torch.amp.autocast_mode.autocast):
@@ -728,9 +744,12 @@ class _CudaAutocastOnCpu(torch.amp.autocast_mode.autocast):
     def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
         if device_type == "cuda":
             device_type = "cpu"
-            if kwargs.get("dtype", args[0] if args else None) is None:
+            if args:  # autocast(device_type, dtype, enabled, cache_enabled)
+                kwargs.setdefault("dtype", args[0])
+                kwargs.update(zip(("enabled", "cache_enabled"), args[1:], strict=False))
+                args = ()
+            if kwargs.get("dtype") is None:
                 kwargs["dtype"] = torch.float16  # CUDA autocast's default; the CPU's is bf16
-                args = args[1:]
         super().__init__(device_type, *args, **kwargs)
 
 
@@ -1111,10 +1130,10 @@ def preflight_script(
         else:
 
             def probe(batch: int) -> Replay:
-                return _probe(path, found.argv(batch), module, target, steps, extra_steps,
-                              time_budget_s)  # fmt: skip
+                return _probe(path, found.argv(batch), batch, found.value, trace.batch_size,
+                              module, target, steps, extra_steps, time_budget_s)  # fmt: skip
 
-            report.remedies.append(script_largest_batch(found, probe))
+            report.remedies.append(script_largest_batch(found, probe, rep.result))
     return report
 
 
@@ -1132,14 +1151,16 @@ BATCH_FLAGS = (
 
 
 def batch_argument(argv: list[str]) -> _FoundBatch | None:
-    """The script's batch-size option and its value, where it has one of ``BATCH_FLAGS``."""
+    """The script's batch-size option and its value, where it has one of ``BATCH_FLAGS``;
+    given more than once, the last (as argparse reads it)."""
+    found = None
     for i, arg in enumerate(argv):
         for flag in BATCH_FLAGS:
-            if arg == flag and i + 1 < len(argv) and argv[i + 1].isdigit():
-                return _FoundBatch(list(argv), flag, int(argv[i + 1]), i, False)
-            if arg.startswith(flag + "=") and arg[len(flag) + 1 :].isdigit():
-                return _FoundBatch(list(argv), flag, int(arg[len(flag) + 1 :]), i, True)
-    return None
+            if arg == flag and i + 1 < len(argv) and argv[i + 1].isdecimal():
+                found = _FoundBatch(list(argv), flag, int(argv[i + 1]), i, False)
+            elif arg.startswith(flag + "=") and arg[len(flag) + 1 :].isdecimal():
+                found = _FoundBatch(list(argv), flag, int(arg[len(flag) + 1 :]), i, True)
+    return found
 
 
 @dataclass(frozen=True)
@@ -1160,40 +1181,83 @@ class _FoundBatch:
         return out
 
 
+SEARCH_BUDGET_S = 600.0  # wall-clock for all the probes of one batch search
+
+
+class _SearchStopped(Exception):
+    """A probe said the search cannot go on; its message says why."""
+
+
 def _probe(
     path: str | None,
     argv: list[str],
+    batch: int,
+    own: int,
+    seen: int | None,
     module: str | None,
     target: Target,
     steps: int,
     extra_steps: int,
     time_budget_s: float,
 ) -> Replay:
-    """The script traced once more with other arguments, replayed at the same capacity (the
-    trace stops at the first OOM); a run that fails is taken as not fitting."""
+    """The script traced once more at batch size ``batch`` (its own is ``own``, whose first
+    train call took ``seen``), replayed at the same capacity (the trace stops at the first
+    OOM). Raises :class:`_SearchStopped` when the run says nothing about that batch: it
+    failed, trained no step, or ignored the option."""
     rep = target.replayer()
     total = target.total_bytes or target.capacity_bytes
     try:
-        trace_script(path, argv, module=module, gpu=target.label, total_bytes=total,
-                     steps=steps, extra_steps=extra_steps, time_budget_s=time_budget_s,
-                     listener=rep.listen)  # fmt: skip
-    except ScriptFailed:
-        rep.result.oom = OomAt(-1, "failed", "", 0, 0, 0)  # counted as not fitting
+        trace = trace_script(path, argv, module=module, gpu=target.label, total_bytes=total,
+                             steps=steps, extra_steps=extra_steps, time_budget_s=time_budget_s,
+                             listener=rep.listen)  # fmt: skip
+    except Exception as exc:  # ScriptFailed, or anything else: the report stands without it
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise _SearchStopped(f"at {batch} the script failed ({first})") from None
+    if trace.stopped_by == "oom":
+        return rep.result
+    if trace.steps_done == 0:
+        raise _SearchStopped(f"at {batch} the script trained no step")
+    # The first call's batch (a micro-batch, with accumulation) must move when the asked
+    # batch doubles or halves; where it stays put, the script does not read the option
+    far = batch >= 2 * own or 2 * batch <= own
+    if far and seen is not None and trace.batch_size == seen:
+        raise _SearchStopped(
+            f"the script's batch does not follow the option (asked {batch}, its first call"
+            f" still took {seen})"
+        )
     return rep.result
 
 
-def script_largest_batch(found: _FoundBatch, probe: Callable[[int], Replay]) -> Remedy:
+def script_largest_batch(
+    found: _FoundBatch,
+    probe: Callable[[int], Replay],
+    base: Replay | None = None,
+    budget_s: float = SEARCH_BUDGET_S,
+) -> Remedy:
     """The largest value of the script's batch option that fits, by tracing the script again
-    (the same search as for a described job: one answer whatever the starting batch)."""
-    results: dict[int, Replay] = {}
+    (the same search as for a described job: one answer whatever the starting batch).
+    ``base`` is the run already made at the script's own batch."""
+    results: dict[int, Replay] = {} if base is None else {found.value: base}
+    deadline = time.monotonic() + budget_s
+    name = "largest_batch"
 
     def run(batch: int) -> Replay:
         if batch not in results:
+            if time.monotonic() > deadline:
+                raise _SearchStopped(f"the search took over {budget_s:.0f} s")
             results[batch] = probe(batch)
         return results[batch]
 
-    lo, hi = largest_fitting(run, found.value)
-    name = "largest_batch"
+    try:
+        lo, hi = largest_fitting(run, found.value)
+    except _SearchStopped as exc:
+        fitting = [b for b, r in results.items() if r.fits]
+        best = max(fitting, default=0)
+        said = f"no search past what was tried: {exc}"
+        if best:
+            change = f"{found.flag} {best} fits ({said})"
+            return Remedy(name, change, peak_of(results[best]), True, best)
+        return Remedy(name, f"none found ({said})", 0, False)
     if lo == 0:
         return Remedy(name, f"no {found.flag} fits, not even 1", peak_of(run(1)), False)
     if hi is None:

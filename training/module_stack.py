@@ -40,6 +40,14 @@ class ModuleStack:
         if self._stack:
             self._stack.pop()
 
+    def height(self) -> int:
+        return len(self._stack)
+
+    def cut(self, height: int) -> None:
+        """Back to ``height`` entries: forwards that never ended (a checkpoint's
+        recomputation stopped part-way) leave their labels behind."""
+        del self._stack[height:]
+
     def close(self) -> None:
         """Remove every hook (the run is over)."""
         for h in self._handles:

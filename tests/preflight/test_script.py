@@ -383,16 +383,20 @@ def test_save_pretrained_is_a_checkpoint_that_writes_nothing(tmp_path: Path) -> 
     assert not out.exists()
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing_recomputes_in_the_backward_and_the_eval_is_still_seen(
-    tmp_path: Path,
+    tmp_path: Path, reentrant: bool
 ) -> None:
-    """Non-reentrant checkpointing runs the blocks again inside the backward and stops them
-    part-way (their forward hooks never end): the recomputation is the backward's, and the
-    script's own eval after training is still seen as its eval (it once was not)."""
+    """Checkpointing runs the blocks again inside the backward: the non-reentrant kind stops
+    them part-way (their forward hooks never end), the reentrant kind through a backward of
+    its own. The recomputation is the backward's, the module labels it left do not make a
+    host tensor device memory, and the script's own eval is still seen (it once was not)."""
+    from oomcast.preflight.script import trace_script
+
     script = _script(
         tmp_path,
         textwrap.dedent(
-            """
+            f"""
             import sys
             import torch
             from torch import nn
@@ -408,13 +412,14 @@ def test_gradient_checkpointing_recomputes_in_the_backward_and_the_eval_is_still
 
                 def forward(self, x):
                     for b in self.blocks:
-                        x = x + checkpoint(b, x, use_reentrant=False)
+                        x = x + checkpoint(b, x, use_reentrant={reentrant})
                     return x.pow(2).mean()
 
             model = M().to("cuda")
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             for _ in range(3):
-                model(torch.randn(64, 256, device="cuda")).backward()
+                model(torch.randn(64, 256, device="cuda", requires_grad=True)).backward()
+                host = torch.zeros(123457)  # on the host: never device memory
                 opt.step()
                 opt.zero_grad()
             model.eval()
@@ -424,11 +429,18 @@ def test_gradient_checkpointing_recomputes_in_the_backward_and_the_eval_is_still
             """
         ),
     )
-    report = preflight_script(str(script), [str(tmp_path / "c.pt")], gpu="T4", steps=3)
+    argv = [str(tmp_path / "c.pt")]
+    report = preflight_script(str(script), argv, gpu="T4", steps=3)
     assert "it had run the steps, an eval and a checkpoint" in report.notes[0], report.notes
     phases = [(p.step, p.phase) for p in report.replay.phases]
     assert (2, "eval") in phases and report.batch_size == 64
     assert not any("ran the model's last train call again" in n for n in report.notes)
+    trace = trace_script(str(script), argv, total_bytes=1 << 40, steps=3)
+    assert not any(op.alloc and op.size == 123457 * 4 for op in trace.ops)
+    for step in range(3):
+        ops = [op.phase for op in trace.ops if op.alloc and op.step == step]
+        first_backward = ops.index("backward")
+        assert "forward" not in ops[first_backward:], (step, ops)
 
 
 @pytest.mark.slow  # a few dozen short fake runs of the script
@@ -465,11 +477,37 @@ def test_the_batch_argument_is_found_in_either_spelling() -> None:
     assert found.argv(4) == ["--lr", "3e-4", "--per_device_train_batch_size", "4", "x"]
     joined = batch_argument(["--batch-size=32"])
     assert joined is not None and joined.argv(48) == ["--batch-size=48"]
+    twice = batch_argument(["--batch-size", "8", "--batch-size", "16"])  # argparse reads the last
+    assert (
+        twice is not None and twice.value == 16 and twice.argv(4)[1:] == ["8", "--batch-size", "4"]
+    )
+    assert batch_argument(["--batch-size", "\u00b3"]) is None  # a digit, not a number
 
 
-@pytest.mark.parametrize("spelling", ['torch.autocast("cuda", dtype=torch.bfloat16)',
-                                      "torch.autocast(device_type='cuda')",
-                                      "torch.cuda.amp.autocast()"])  # fmt: skip
+def test_a_script_that_ignores_its_batch_option_gets_no_made_up_answer(tmp_path: Path) -> None:
+    """Every probe "fits" when the script never reads the option: the search once reported
+    --batch-size 65536 after 11 re-runs. It stops and says why."""
+    text = PLAIN.replace("x = torch.randn(args.batch_size,", "x = torch.randn(8,").replace(
+        f"y = torch.randint(0, {CLASSES}, (args.batch_size,))",
+        f"y = torch.randint(0, {CLASSES}, (8,))",
+    )
+    assert "torch.randn(8," in text
+    script = _script(tmp_path, text)
+    argv = ["--out", str(tmp_path / "c.pt"), "--batch-size", "8"]
+    report = preflight_script(str(script), argv, capacity_bytes=1 << 30)
+    (best,) = report.remedies
+    assert "does not follow the option" in best.change and "65536" not in best.change, best
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        'torch.autocast("cuda", dtype=torch.bfloat16)',
+        "torch.autocast(device_type='cuda')",
+        "torch.autocast('cuda', torch.float16, True)",
+        "torch.cuda.amp.autocast()",
+    ],
+)
 def test_mixed_precision_counts_activations_at_their_size(tmp_path: Path, spelling: str) -> None:
     """autocast("cuda") leaves the emulated GPU's CPU tensors alone unless preflight runs it
     on the CPU: the activations a Linear keeps are then half their fp32 size. The script's
@@ -491,8 +529,6 @@ def test_mixed_precision_counts_activations_at_their_size(tmp_path: Path, spelli
             loss.backward()
             opt.step()
             opt.zero_grad()
-        print("MEMORY", torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(),
-              file=sys.stderr)
         model.eval()
         with torch.no_grad():
             model(x)
@@ -537,3 +573,40 @@ def test_the_scripts_own_memory_figures_are_the_traced_bytes(
     preflight_script(str(script), [], gpu="T4")  # it trains nothing, but it ran
     err = capfd.readouterr().err
     assert f"MEMORY {4 << 20} {8 << 20}" in err and f"AFTER {4 << 20}" in err
+
+
+@pytest.mark.parametrize("scaler", ['torch.amp.GradScaler("cuda")', "torch.cuda.amp.GradScaler()"])
+def test_fp16_with_a_grad_scaler_takes_its_steps(tmp_path: Path, scaler: str) -> None:
+    """GradScaler skips a step when found_inf.item() says a gradient overflowed; with a
+    stand-in value every step was skipped (0 steps, no optimizer state, and the frameworks'
+    fp16 never reached their eval or save). Steps are taken, autocast("cuda", None, False)
+    included (it raised)."""
+    script = _script(
+        tmp_path,
+        textwrap.dedent(
+            f"""
+            import sys
+            import torch
+            from torch import nn
+            model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 10)).cuda()
+            opt = torch.optim.Adam(model.parameters())
+            scaler = {scaler}
+            with torch.autocast("cuda", None, False):
+                pass
+            for _ in range(50):
+                x = torch.randn(32, 512).cuda()
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = model(x).float().logsumexp(-1).mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+            torch.save(model.state_dict(), sys.argv[1])
+            """
+        ),
+    )
+    report = preflight_script(str(script), [str(tmp_path / "c.pt")], gpu="T4", steps=3)
+    assert report.steps >= 3, report.notes
+    # Adam's two moments exist: the optimizer really stepped
+    weights = 4 * (512 * 2048 + 2048 + 2048 * 10 + 10)
+    assert report.replay.peak_allocated_bytes > 3 * weights

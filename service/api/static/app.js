@@ -75,7 +75,8 @@ const pad2 = (n) => String(n).padStart(2, "0");
 // an unambiguous date (2026-12-04 14:15:02) whatever the browser's locale: 12/4 reads two ways
 const stamp = (ts) => {
   const d = new Date(ts * 1000);
-  return `${d.getFullYear()}-${pad2(d.getMonth() + 1)}-${pad2(d.getDate())} ${clock(ts)}`;
+  const day = `${d.getFullYear()}-${pad2(d.getMonth() + 1)}-${pad2(d.getDate())}`;
+  return `${day} ${pad2(d.getHours())}:${pad2(d.getMinutes())}:${pad2(d.getSeconds())}`;
 };
 
 function duration(s) {

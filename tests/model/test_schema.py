@@ -531,3 +531,11 @@ def test_a_schedule_event_is_parsed_beside_the_other_events() -> None:
     assert record.to_dict() == obj
     other = parse_record({"ts": T0, "node": "n", "device": "d", "event": "oom"})
     assert type(other) is Event
+
+
+def test_every_missing_required_field_is_named_at_once() -> None:
+    """A client that left out several fields learned of them one 422 at a time."""
+    with pytest.raises(SchemaError) as got:
+        parse_sample({"ts": 1.0, "node": "n1"})
+    assert got.value.field == "device"
+    assert str(got.value) == "device: is required, and so are kind, total_bytes, used_bytes"

@@ -23,10 +23,14 @@ def _fmt_tto(t: float | None) -> str:
 def _alert_line(alert: dict[str, Any], signed: bool) -> str:
     when = time.strftime("%H:%M:%S", time.localtime(alert.get("sent_at") or time.time()))
     sig = "signature ok" if signed else "BAD SIGNATURE"
-    tto = alert.get("time_to_oom_s")
+    firing = alert.get("status") == "firing"
+    tto = alert.get("time_to_oom_s") if firing else None  # an ended episode forecasts nothing
     tto_s = "" if tto is None else f", OOM in ~{tto:.0f}s"
+    status = str(alert["status"]).upper()
+    if not firing and "ran out of memory" in str(alert.get("reason") or ""):
+        status = "OOM"  # the episode ended because the job died, not because it calmed down
     line = (
-        f"{when} {alert['status'].upper():8} {alert['node']}/{alert['device']}"
+        f"{when} {status:8} {alert['node']}/{alert['device']}"
         f" job={alert.get('job')}{tto_s} ({alert.get('reason')}; {sig})"
     )
     remedies = alert.get("remedies") or []

@@ -41,10 +41,24 @@ def diagnosis_of(st: DomainState) -> Diagnosis | None:
 
 
 def explained(alert: Alert, st: DomainState) -> Alert:
-    """``alert`` with the domain's cause, remedies, evidence and what evidence was thin."""
-    d = diagnosis_of(st)
-    if d is None:
-        return alert
-    return replace(
-        alert, cause=d.cause, remedies=d.remedies, evidence=d.evidence, cause_thin=d.thin
-    )
+    """``alert`` with the domain's cause, remedies, evidence and what evidence was thin. An
+    episode keeps what its first firing alert said: its resolved alert (after an OOM, say,
+    when the cache left behind would read as fragmentation) says the same."""
+    episode = alert.episode or ""
+    said = st.told.get(episode)
+    if said is None:
+        d = diagnosis_of(st)
+        if d is None:
+            return alert
+        said = (d.cause, d.remedies, d.evidence, d.thin)
+        if alert.status == "firing" and episode:
+            if len(st.told) >= MAX_TOLD:  # episodes whose end was never explained
+                st.told.clear()
+            st.told[episode] = said
+    elif alert.status != "firing":
+        del st.told[episode]
+    cause, remedies, evidence, thin = said
+    return replace(alert, cause=cause, remedies=remedies, evidence=evidence, cause_thin=thin)
+
+
+MAX_TOLD = 64  # episodes remembered per domain

@@ -67,6 +67,9 @@ class DomainState:
     cause: str | None = None
     phase_forecast: PhaseForecast | None = None
     first: Sample | None = None  # the job's first sample: baselines for pipeline/explainer.py
+    # What each firing episode was told (cause, remedies, evidence, thin): its resolved
+    # alert says the same, rather than what the memory looks like after the OOM
+    told: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     # True only once every episode was seen neither firing nor over its bar: until a rule
     # fires on a forecast, nothing of the domain's rules can change, and they are skipped
     # (``LiveState._apply_round``). Episodes only leave that state through ``advance``.

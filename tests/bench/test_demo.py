@@ -320,3 +320,8 @@ def test_the_demos_alert_lines_say_the_cause_and_the_first_remedy() -> None:
     line = _alert_line(alert, True)
     assert "cause: fragmentation; fix: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments" in line
     assert "cause" not in _alert_line({**alert, "status": "resolved"}, True)
+    # an episode the OOM ended reads as the OOM, with no forecast left in it (it read
+    # "RESOLVED ... OOM in ~1s (the job ran out of memory)")
+    died = _alert_line({**alert, "status": "resolved", "reason": "the job ran out of memory"}, True)
+    assert " OOM      demo-node-b/gpu1" in died and "OOM in ~" not in died
+    assert "RESOLVED" in _alert_line({**alert, "status": "resolved", "reason": "calm"}, True)

@@ -79,3 +79,25 @@ def test_a_neighbour_growing_on_the_gpu_is_named() -> None:
         alert.evidence or ""
     )
     assert any("set_per_process_memory_fraction" in r for r in alert.remedies)
+
+
+def test_an_episode_ends_saying_the_cause_it_fired_with() -> None:
+    """The leak fires as a leak; when the job then runs out of memory, the episode's
+    resolved alert said fragmentation (the cache the dying job left behind). It says what
+    the episode was told, and the reason says how it ended."""
+    from oomcast.model.schema import Event
+
+    alert, live = first_alert("fast_leak", 1)
+    assert alert.status == "firing" and alert.cause == "leak"
+    [st] = live.domains.values()
+    assert st.last is not None
+    # the memory after the fire reads otherwise: most of it cached, little in use
+    cached = Sample(**{**st.last.to_dict(), "ts": st.last.ts + 1,
+                       "allocated_bytes": st.last.used_bytes // 10})  # fmt: skip
+    live.apply([cached], cached.ts)
+    ended = live.on_event(Event(cached.ts + 1, cached.node, cached.device, "oom"), cached.ts + 1)
+    resolved = [a for a in ended if a.episode == alert.episode]
+    assert resolved and resolved[0].status == "resolved"
+    assert resolved[0].cause == "leak" and resolved[0].remedies == alert.remedies
+    assert "ran out of memory" in (resolved[0].reason or "")
+    assert st.told == {}  # forgotten once the episode ended

@@ -90,7 +90,8 @@ def test_the_eval_running_well_resolves_the_episode() -> None:
     ran = sample(T0 + 100.5, USED_FRAC, device="cuda0", job="j", step=100, phase="eval")
     ran = Sample(**{**ran.to_dict(), "peak_bytes": ran.used_bytes + GIB})
     resolved = live.apply([ran, *steps(101, 102)], now=102.0).alerts
-    assert [(a.status, a.cause) for a in resolved] == [("resolved", "unknown")]
+    # the episode ends under the cause it fired with (a resolved alert is about its episode)
+    assert [(a.status, a.cause) for a in resolved] == [("resolved", "phase:eval")]
     assert live.domains[DOMAIN].phases is not None
     assert live.domains[DOMAIN].phases.extra_bytes["eval"] == GIB  # type: ignore[union-attr]
 

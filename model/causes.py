@@ -135,6 +135,19 @@ REMEDIES: dict[str, tuple[str, ...]] = {
     ),
     "unknown": ("watch the domain's page; the diagnosis bundle (oomcast explain) says more",),
 }
+# in place of a remedy that reads a bundle, where no in-job hook writes one
+NO_HOOK_REMEDY = (
+    "add oomcast's in-job hook (docs/collectors.md) to the training script: its diagnosis"
+    " bundles name the allocation sites that grew (oomcast explain)"
+)
+
+
+def _missing_figures(last: Sample, host: bool) -> list[str]:
+    if last.allocated_bytes is not None:
+        return []
+    if host:
+        return ["no anonymous-memory figure: page cache cannot be told from the job's own"]
+    return ["no allocator figures (no in-job hook): fragmentation cannot be judged"]
 
 
 def diagnose(
@@ -160,9 +173,16 @@ def diagnose(
         peak = max(peak, last.used_bytes + phase_extra_bytes)
     host = last.kind == "host"
 
+    # The in-job hook counts steps (and on a GPU reads the allocator); NVML and the cgroup
+    # reader do neither. Without it there is no bundle to read and no allocator to judge.
+    hooked = last.step is not None or (not host and last.allocated_bytes is not None)
+
     def done(cause: str, evidence: str) -> Diagnosis:
         remedies = list(REMEDIES.get(cause, REMEDIES["unknown"]))
-        if host and cause != "growing_cache":  # page cache is reclaimed: no limit change
+        if not hooked:
+            remedies = [NO_HOOK_REMEDY if "bundle" in r else r for r in remedies]
+        # page cache is reclaimed: no limit change; nor when the limit already has room
+        if host and cause != "growing_cache" and peak * LIMIT_MARGIN > last.total_bytes:
             remedies.append(_limit_remedy(last, peak))
         return Diagnosis(cause, tuple(remedies), evidence, tuple(thin))
 
@@ -173,8 +193,7 @@ def diagnose(
         return done("fragmentation", frag)
     if neighbour_bytes is not None and neighbour_bytes > 0.5 * max(1, peak - int(used[0])):
         return done("neighbour", f"other processes on the GPU grew {_gib(neighbour_bytes)}")
-    if last.allocated_bytes is None:
-        thin.append("no allocator figures (no in-job hook): fragmentation cannot be judged")
+    thin += _missing_figures(last, host)
     if ts.size < MIN_POINTS or float(ts[-1] - ts[0]) < MIN_SPAN_S:
         thin.append(f"only {ts.size} samples over {float(ts[-1] - ts[0]) if ts.size else 0:.0f} s")
         return done("unknown", "too little history to read a shape")

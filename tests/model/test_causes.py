@@ -68,15 +68,31 @@ def test_a_containers_page_cache_is_a_growing_cache_not_a_leak() -> None:
 def test_a_container_leak_gets_the_limit_that_fits_its_peak() -> None:
     values = [(10 + 0.1 * i) * GIB for i in range(60)]
     ts, used = history(values)
-    d = diagnose(
-        last(used[-1], kind="host", allocated_bytes=int(used[-1]) - GIB),
-        ts,
-        used,
-        anon_before=9 * GIB,
-    )
+    near = Sample(100.0, "n", "cgroup:/job", "host", int(16.5 * GIB), int(used[-1]),
+                  allocated_bytes=int(used[-1]) - GIB)  # fmt: skip
+    d = diagnose(near, ts, used, anon_before=9 * GIB)
     assert d.cause == "leak"
     limit = next(r for r in d.remedies if "memory.max" in r)
     assert f"{values[-1] * 1.2 / GIB:.1f} GiB" in limit  # the peak plus 20%
+
+
+def test_a_limit_with_room_is_not_told_to_grow_and_no_hook_means_no_bundle() -> None:
+    """A CPU job at 16 GiB of an 80 GiB limit was told to raise its limit "to at least 19
+    GiB; it is 80 GiB now"; and without the in-job hook, to read the bundle the hook saved."""
+    ts, used = history([(10 + 0.1 * i) * GIB for i in range(60)])
+    roomy = last(used[-1], kind="host", allocated_bytes=int(used[-1]) - GIB)
+    d = diagnose(roomy, ts, used, anon_before=9 * GIB)
+    assert d.cause == "leak" and not any("memory.max" in r for r in d.remedies)
+    assert not any("the hook saved" in r for r in d.remedies)
+    assert any("add oomcast's in-job hook" in r for r in d.remedies)
+    hooked = Sample(**{**roomy.to_dict(), "step": 1200})
+    assert any(
+        "the hook saved" in r for r in diagnose(hooked, ts, used, anon_before=9 * GIB).remedies
+    )
+    # a cgroup without an anonymous-memory figure says what that hides, not "no hook"
+    bare = diagnose(last(used[-1], kind="host"), ts, used)
+    assert any("no anonymous-memory figure" in t for t in bare.thin)
+    assert not any("no in-job hook" in t for t in bare.thin)
 
 
 def test_a_phase_forecast_keeps_its_cause() -> None:

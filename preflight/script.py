@@ -1083,7 +1083,7 @@ def preflight_script(
             argv,
             module=module,
             gpu=target.label,
-            total_bytes=target.total_bytes or target.capacity_bytes,
+            total_bytes=target.device_bytes,
             steps=steps,
             extra_steps=extra_steps,
             time_budget_s=time_budget_s,
@@ -1205,7 +1205,7 @@ def _probe(
     OOM). Raises :class:`_SearchStopped` when the run says nothing about that batch: it
     failed, trained no step, or ignored the option."""
     rep = target.replayer()
-    total = target.total_bytes or target.capacity_bytes
+    total = target.device_bytes
     try:
         trace = trace_script(path, argv, module=module, gpu=target.label, total_bytes=total,
                              steps=steps, extra_steps=extra_steps, time_budget_s=time_budget_s,

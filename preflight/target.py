@@ -33,6 +33,12 @@ class Target:
         conf = alloc_conf if isinstance(alloc_conf, AllocConf) else parse_alloc_conf(alloc_conf)
         return cls(label, capacity, total, conf)
 
+    @property
+    def device_bytes(self) -> int:
+        """The device's memory as a traced script asks for it: the GPU's total, or the
+        capacity where none was named."""
+        return self.total_bytes or self.capacity_bytes
+
     def replayer(self, conf: AllocConf | None = None) -> Replayer:
         return Replayer(self.capacity_bytes, conf or self.conf, self.total_bytes)
 

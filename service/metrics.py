@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from oomcast.model.forecast import Forecast
 from oomcast.service.delivery.outbox import Health
+
+
+class DomainRow(NamedTuple):
+    """What the per-domain gauges show of one live domain."""
+
+    node: str
+    device: str
+    kind: str
+    job: str | None
+    forecast: Forecast
+    used_frac: float
 
 
 class Metrics:
@@ -110,6 +125,36 @@ class Metrics:
         self.alerts_firing = Gauge(
             "oomcast_alerts_firing", "Live domains with at least one rule firing now", registry=r
         )
+        # One series per live domain, riskiest first up to OOMCAST_METRICS_DOMAINS, set at
+        # each scrape and cleared before it (a domain that went away leaves no stale series).
+        # The domain's job is `job_name`: Prometheus gives every scraped series the scrape
+        # job as `job`, and would rename a `job` of ours to `exported_job`. For the same
+        # reason the service's scrape sets no `node` target label (deploy/prometheus/).
+        self.domain_risk = Gauge(
+            "oomcast_domain_oom_risk",
+            "Forecast probability that the domain runs out of memory within the horizon (seconds)",
+            ["node", "device", "kind", "job_name", "horizon"],
+            registry=r,
+        )
+        self.domain_tto = Gauge(
+            "oomcast_domain_time_to_oom_seconds",
+            "Forecast time to the domain's OOM; no series while none is in sight",
+            ["node", "device", "kind", "job_name"],
+            registry=r,
+        )
+        self.domain_used = Gauge(
+            "oomcast_domain_memory_used_ratio",
+            "Used memory as a share of the domain's capacity, in the sample the forecast was"
+            " made from",
+            ["node", "device", "kind", "job_name"],
+            registry=r,
+        )
+        self.domains_left_out = Gauge(
+            "oomcast_domain_series_left_out",
+            "Live domains beyond OOMCAST_METRICS_DOMAINS, the least risky, with no per-domain"
+            " series",
+            registry=r,
+        )
         self.forecast_latency = Histogram(
             "oomcast_forecast_latency_seconds",
             "From a sample's arrival in Redis to its forecast",
@@ -117,6 +162,20 @@ class Metrics:
             registry=r,
         )
         self.model = Info("oomcast_model", "The forecaster in use", registry=r)
+
+    def domain_forecasts(self, ranked: Sequence[DomainRow], cap: int) -> None:
+        """The per-domain gauges anew from ``ranked`` (riskiest first): the first ``cap``
+        get series, the rest are counted in ``oomcast_domain_series_left_out``."""
+        for g in (self.domain_risk, self.domain_tto, self.domain_used):
+            g.clear()
+        for row in ranked[:cap]:
+            labels = (row.node, row.device, row.kind, row.job or "")
+            for horizon, risk in row.forecast.risk.items():
+                self.domain_risk.labels(*labels, str(horizon)).set(risk)
+            if row.forecast.time_to_oom_s is not None:
+                self.domain_tto.labels(*labels).set(row.forecast.time_to_oom_s)
+            self.domain_used.labels(*labels).set(row.used_frac)
+        self.domains_left_out.set(max(0, len(ranked) - cap))
 
     def delivery_health(self, health: Health) -> None:
         """The delivery gauges, from the outbox's health."""

@@ -159,6 +159,12 @@ class Settings(BaseSettings):
     max_domains_per_node: int = Field(
         default=512, ge=1, description="live domains of one node at most (GPUs and cgroups)"
     )
+    # /metrics exports per-domain series (risk per horizon, time to OOM, use) for this many
+    # live domains, the riskiest first; the rest are counted, so a 50,000-domain fleet does
+    # not put 300,000 series on every scrape (0: none)
+    metrics_domains: int = Field(
+        default=1000, ge=0, description="live domains /metrics gives series of, riskiest first"
+    )
     # OOMCAST_REDIS_URL names one node of a Redis Cluster (any node: the client learns the
     # others from it); every process of the deployment, agents included, must say so too.
     redis_cluster: bool = False

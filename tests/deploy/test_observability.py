@@ -533,12 +533,17 @@ def test_the_jobs_the_rules_select_are_the_ones_the_scrape_configs_name() -> Non
             if mon["spec"]["selector"]["matchLabels"].items() <= labels.items()
         ]
         assert len(selected) == 1, f"{mon['metadata']['name']} selects {len(selected)} workloads"
-        seen.add(selected[0][mon["spec"]["jobLabel"]])
+        job = selected[0][mon["spec"]["jobLabel"]]
+        seen.add(job)
         for endpoint in mon["spec"]["podMetricsEndpoints"]:
-            assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in (
-                endpoint["relabelings"]
-            )
+            targets = {r.get("targetLabel") for r in endpoint.get("relabelings", [])}
+            # the agents' series are named by the pod's node; the service's per-domain
+            # series carry their domain's own `node`, which a target label would rename
+            assert ("node" in targets) == (job == "oomcast-agent"), (job, targets)
     assert seen == jobs
+    for scrape in config["scrape_configs"]:
+        targets = {r.get("target_label") for r in scrape.get("relabel_configs", [])}
+        assert ("node" in targets) == (scrape["job_name"] == "oomcast-agent"), scrape["job_name"]
     assert "node" in target_labels()
 
 
@@ -844,3 +849,23 @@ def test_promtool_alerts_fire_when_they_should(tmp_path: Path) -> None:
     early["tests"][1]["alert_rule_test"][1]["eval_time"] = CASES[0].quiet
     (tmp_path / "early.yaml").write_text(yaml.safe_dump(early))
     assert promtool("test", "rules", "early.yaml", cwd=tmp_path).returncode != 0
+
+
+def test_no_series_of_the_service_carries_a_label_its_scrape_sets() -> None:
+    # Prometheus renames a series' own label that a scrape also sets (job -> exported_job):
+    # a per-domain series with `job` would lose its training job to the scrape's
+    service_targets = {"job", "instance"} | OPERATOR_TARGET_LABELS
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    for scrape in config["scrape_configs"]:
+        if scrape["job_name"] == "oomcast-service":
+            service_targets |= {
+                r["target_label"] for r in scrape["relabel_configs"] if "target_label" in r
+            }
+    exported = service_exports()
+    clashes = {
+        (name, label)
+        for name, labels in exported.items()
+        for label in (labels or frozenset()) & service_targets
+    }
+    assert not clashes, clashes
+    assert exported["oomcast_domain_oom_risk"] == {"node", "device", "kind", "job_name", "horizon"}

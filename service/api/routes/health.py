@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from oomcast.model.wire import answer_async
 from oomcast.service.api.deps import Ctx, write_refusal
 from oomcast.service.context import ServiceContext
+from oomcast.service.metrics import DomainRow
 
 router = APIRouter(tags=["health"])
 
@@ -137,8 +138,18 @@ async def readyz(ctx: Ctx, response: Response) -> dict[str, object]:
 )
 async def metrics(ctx: Ctx) -> Response:
     """The service's Prometheus metrics."""
-    live = ctx.live.live(time.time(), ctx.settings.live_after_s)
+    live = ctx.live.ranked(time.time(), ctx.settings.live_after_s)
     ctx.metrics.domains.set(len(live))
+    ctx.metrics.domain_forecasts(
+        [
+            DomainRow(
+                st.domain[0], st.domain[1], st.last.kind, st.job, st.forecast, st.last.used_frac
+            )
+            for st in live
+            if st.last is not None and st.forecast is not None
+        ],
+        ctx.settings.metrics_domains,
+    )
     bands = dict.fromkeys(RISK_BANDS, 0)
     firing = 0
     for st in live:

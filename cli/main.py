@@ -31,6 +31,7 @@ from oomcast.cli import collect as cli_collect
 from oomcast.cli import explain as cli_explain
 from oomcast.cli import preflight as cli_preflight
 from oomcast.cli import serve as cli_service
+from oomcast.cli import top as cli_top
 from oomcast.cli import training as cli_training
 from oomcast.cli.common import PROG, UsageError, missing_extra, package_version
 from oomcast.cli.env import CommandEnv
@@ -71,6 +72,7 @@ def build_parser(env: CommandEnv | None = None) -> argparse.ArgumentParser:
     cli_service.add_bench_parser(sub)
     cli_check.add_parser(sub)
     cli_explain.add_parser(sub)
+    cli_top.add_parser(sub)
     _explain_every_command(sub)
     return p
 

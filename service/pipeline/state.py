@@ -103,6 +103,9 @@ class DomainState:
             "samples_seen": self.samples_seen,
             "ooms_seen": self.ooms_seen,
             "last_oom_ts": self.last_oom_ts,
+            "processes": None
+            if s.processes is None
+            else [p.to_dict() for p in sorted(s.processes, key=lambda p: -(p.used_bytes or 0))],
         }
 
     def _alert_summary(self) -> dict[str, Any]:

@@ -33,6 +33,7 @@ import pytest
 import redis
 from support import GIB, free_port, sample, start_serve, wait_until
 
+from oomcast.model.processes import ProcessUse
 from oomcast.model.runtime import DEFAULT_MODEL
 from oomcast.model.wire import Keys, encode_samples, sample_payload
 
@@ -110,7 +111,13 @@ class Server:
         return r.json()
 
     def feed(
-        self, node: str, device: str, fracs: list[float], job: str, hook: bool = False
+        self,
+        node: str,
+        device: str,
+        fracs: list[float],
+        job: str,
+        hook: bool = False,
+        processes: tuple[ProcessUse, ...] | None = None,
     ) -> None:
         """One stream entry with a sample per value, a second apart, after the domain's last."""
         start = max(self.last_ts.get((node, device), 0.0) + 1, time.time() - len(fracs))
@@ -120,6 +127,8 @@ class Server:
             if hook:  # the in-job hook's allocator figures
                 used = int(frac * 80 * GIB)
                 extra = {"allocated_bytes": int(used * 0.8), "reserved_bytes": int(used * 0.9)}
+            if processes is not None:
+                extra["processes"] = processes
             s = sample(start + i, frac, node=node, device=device, job=job, **extra)
             payloads.append(sample_payload(s, None, None))
         self.last_ts[(node, device)] = start + len(fracs) - 1
@@ -329,6 +338,39 @@ def test_the_domain_page_draws_memory_forecast_alerts_and_cause(
     else:
         expect(cause).to_contain_text("no cause computed")
     page.screenshot(path=str(artifacts / "dashboard-domain.png"), full_page=True)
+
+
+def test_a_shared_gpu_lists_its_processes_largest_first(
+    server: Server, authed: Page, artifacts: Path
+) -> None:
+    procs = (
+        ProcessUse(311, 6 * GIB, "eval-sidecar"),
+        ProcessUse(4242, 40 * GIB, "train-shared"),
+        ProcessUse(977, None),  # NVML gave no figure for this one
+    )
+    server.feed("dash-shared", "gpu3", [0.6] * 20, "train-shared", processes=procs)
+    assert wait_until(lambda: server.seen("dash-shared", "gpu3") is not None, 20)
+    page = authed
+    page.goto(f"{server.base}/#/domain/dash-shared/gpu3")
+    box = page.locator("#domain-procs")
+    expect(box.locator("h2")).to_have_text("Processes on this GPU (3)", timeout=SEEN_S * 1000)
+    cells = box.locator("tbody tr").evaluate_all(
+        "rows => rows.map(r => [...r.cells].slice(0, 4).map(c => c.textContent))"
+    )
+    assert cells == [
+        ["4242", "train-shared", "40.0 GiB", "50%"],  # the domain's own job, first
+        ["311", "eval-sidecar", "6.0 GiB", "8%"],
+        ["977", "—", "not reported", "—"],
+        ["—", "not in any process (driver context, others)", "2.0 GiB", "3%"],
+    ]
+    expect(box.locator("tbody tr.own")).to_have_count(1)
+    page.screenshot(path=str(artifacts / "dashboard-processes.png"), full_page=True)
+
+
+def test_a_domain_without_processes_shows_no_process_table(server: Server, authed: Page) -> None:
+    authed.goto(f"{server.base}/#/domain/dash-a/gpu0")
+    expect(authed.locator("#domain-facts .fact").first).to_be_visible(timeout=SEEN_S * 1000)
+    expect(authed.locator("#domain-procs *")).to_have_count(0)
 
 
 def test_a_domain_that_is_not_live_says_so(server: Server, page: Page) -> None:

@@ -56,6 +56,14 @@ class PhaseOutlook(BaseModel):
     measured: bool = Field(..., description="extra_bytes was measured, not announced")
 
 
+class ProcessShare(BaseModel):
+    """One process on a GPU, as NVML reported it in the latest sample."""
+
+    pid: int
+    used_bytes: int | None = Field(..., description="null where NVML gives no figure (vGPU, MIG)")
+    job: str | None = Field(None, description="the job the agent matched the process to")
+
+
 class DeviceSummary(BaseModel):
     node: str
     device: str
@@ -84,6 +92,11 @@ class DeviceSummary(BaseModel):
     samples_seen: int
     ooms_seen: int
     last_oom_ts: float | None
+    processes: list[ProcessShare] | None = Field(
+        ...,
+        description="who uses the GPU, largest first, in the latest sample (GPUs sampled"
+        " through NVML; null where the sample names no processes)",
+    )
 
 
 class DevicesPage(BaseModel):

@@ -427,6 +427,7 @@ function mountDomain(root, node, device) {
   const title = root.querySelector("#domain-title");
   const facts = root.querySelector("#domain-facts");
   const causeBox = root.querySelector("#domain-cause");
+  const procsBox = root.querySelector("#domain-procs");
   const memSvg = root.querySelector("#memory-chart");
   const riskSvg = root.querySelector("#risk-chart");
   const memLegend = root.querySelector("#memory-legend");
@@ -476,6 +477,7 @@ function mountDomain(root, node, device) {
     );
     const latestAlert = alerts.find((a) => a.status === "firing");
     causeBox.replaceChildren(h("h2", {}, "Why, and what to do"), causeBlock(latestAlert && latestAlert.cause !== undefined ? { ...d, ...latestAlert } : d));
+    procsBox.replaceChildren(...processBlock(d));
 
     const hist = d.history;
     const t0 = hist.length ? hist[0].ts : d.observed_at - 60;
@@ -534,6 +536,33 @@ function mountDomain(root, node, device) {
   const onResize = () => poll.now();
   window.addEventListener("resize", onResize);
   return { stop: () => { poll.stop(); window.removeEventListener("resize", onResize); } };
+}
+
+// Who uses a shared GPU: the processes of the newest sample (NVML's per-process figures),
+// largest first, each as a share of the GPU, with what the processes do not account for
+// (the driver's context, other containers NVML cannot see into).
+function processBlock(d) {
+  if (!d.processes || !d.processes.length) return [];
+  const known = d.processes.reduce((s, p) => s + (p.used_bytes ?? 0), 0);
+  const rest = Math.max(0, d.used_bytes - known);
+  const head = h("tr", {}, ["PID", "Job", "Used", "Share of the GPU", ""].map((t) => h("th", {}, t)));
+  const row = (pid, job, bytes, cls) => h("tr", { class: cls },
+    h("td", {}, pid), h("td", {}, job), h("td", {}, bytes === null ? "not reported" : `${gib(bytes)} GiB`),
+    h("td", {}, bytes === null ? "—" : pct(bytes / d.total_bytes)),
+    h("td", { class: "bar-cell" }, shareBar(bytes === null ? 0 : bytes / d.total_bytes)));
+  const rows = d.processes.map((p) => row(String(p.pid), p.job || "—", p.used_bytes, p.job && p.job === d.job ? "own" : ""));
+  if (rest > 0) rows.push(row("—", "not in any process (driver context, others)", rest, "rest"));
+  return [
+    h("h2", {}, `Processes on this GPU (${d.processes.length})`),
+    h("table", { class: "procs-table" }, h("thead", {}, head), h("tbody", {}, rows)),
+  ];
+}
+
+// a bar as wide as a share (set through the CSSOM: the page's CSP refuses style attributes)
+function shareBar(share) {
+  const bar = h("span", { class: "bar" });
+  bar.style.width = `${Math.min(100, 100 * share).toFixed(1)}%`;
+  return bar;
 }
 
 function fact(label, value, cls = "") {

@@ -256,7 +256,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(
         redis_url=args.env.redis_url,
         duration_s=args.duration,
-        live=not args.plain,
+        # a live table only on a terminal: piped to a file or `tee`, lines as they come
+        live=not args.plain and sys.stdout.isatty(),
         port=args.port,
         speed=args.speed,
         private_redis=args.private_redis,

@@ -118,7 +118,7 @@ def render_lines(data: dict[str, Any], now: float | None = None) -> list[str]:
     return out
 
 
-def _table(data: dict[str, Any], width: int, rows: int) -> Any:
+def fleet_table(data: dict[str, Any], width: int, rows: int) -> Any:
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -210,7 +210,7 @@ def _live(client: Any, args: Any, limit: int) -> int:
             width, height = console.size
             rows = args.limit or max(3, height - 7)
             try:
-                body = _table(fetch(client, max(rows, 1), args.node, args.job), width, rows)
+                body = fleet_table(fetch(client, max(rows, 1), args.node, args.job), width, rows)
             except ReadError as exc:
                 body = Text(f"{time.strftime('%H:%M:%S')} {exc}; retrying", style="red")
             view.update(body, refresh=True)

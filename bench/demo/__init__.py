@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import logging
 import secrets
 import shutil
 import signal
@@ -211,6 +212,30 @@ def demo_patterns() -> dict[tuple[str, str], str]:
     }
 
 
+@contextlib.contextmanager
+def held_logs(hold: bool) -> Iterator[list[str]]:
+    """While ``hold``: warnings and errors logged go to the list, not to the terminal, where
+    they would tear the live table; the rest of the log is dropped. The caller prints the
+    list afterwards."""
+    held: list[str] = []
+    if not hold:
+        yield held
+        return
+    root = logging.getLogger()
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                held.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+
+    saved = root.handlers[:]
+    root.handlers = [Keep()]
+    try:
+        yield held
+    finally:
+        root.handlers = saved
+
+
 def run_demo(
     redis_url: str | None = None,
     duration_s: float | None = None,
@@ -243,6 +268,7 @@ def run_demo(
                 control_secret=SecretStr(control_secret),
             )
             with (
+                held_logs(live) as held,
                 service_in_thread(settings, port or free_port()) as base,
                 collectors(url, speed, control_secret),
             ):
@@ -257,6 +283,10 @@ def run_demo(
                 say(f"forecaster: {ready['model_version']} ({note})")
                 say(f"webhooks: {inbox.url}, HMAC-signed; Ctrl-C stops the demo")
                 ooms = watch(base, inbox, stop, duration_s, live)
+            if held:  # held back while the live table was up
+                print(f"the service logged {len(held)} warnings:")
+                for line in held:
+                    print(f"  {line}")
             for line in summarize(inbox.snapshot(), ooms, demo_patterns(), started_at):
                 print(line)
             try:

@@ -40,29 +40,6 @@ def _alert_line(alert: dict[str, Any], signed: bool) -> str:
     return line
 
 
-def _table(devices: list[dict[str, Any]], horizon: int) -> Any:
-    from rich.table import Table
-
-    table = Table(title=f"oomcast demo: GPUs, riskiest first (risk = P(OOM within {horizon}s))")
-    for col in ("node/device", "job", "used", "used %", "risk", "time to OOM", "OOMs", "alert"):
-        table.add_column(col, justify="left" if col in ("node/device", "job", "alert") else "right")
-    for d in devices:
-        risk = d["alert_risk"]
-        style = "bold red" if d["alert"]["firing"] else ("yellow" if risk > 0 else "")
-        table.add_row(
-            f"{d['node']}/{d['device']}",
-            str(d.get("job") or "(restarting)"),
-            f"{d['used_bytes'] / GIB:.1f}/{d['total_bytes'] / GIB:.0f} GiB",
-            f"{d['used_frac']:.0%}",
-            f"{risk:.2f}",
-            _fmt_tto(d["time_to_oom_s"]),
-            str(d["ooms_seen"]),
-            "FIRING" if d["alert"]["firing"] else "ok",
-            style=style,
-        )
-    return table
-
-
 def watch(
     base: str, inbox: WebhookInbox, stop: threading.Event, duration_s: float | None, live: bool
 ) -> list[Oom]:
@@ -75,6 +52,9 @@ def watch(
     from rich.console import Console, Group
     from rich.live import Live
     from rich.text import Text
+
+    from oomcast.cli.top import fleet_table as table
+    from oomcast.cli.top import render_lines
 
     console = Console()
     end = None if duration_s is None else time.monotonic() + duration_s
@@ -90,35 +70,29 @@ def watch(
                 try:
                     data = client.get("/v1/devices").json()
                 except httpx.HTTPError:
-                    data = {"devices": [], "alert_horizon_s": 60}
+                    data = {"devices": [], "alert_horizon_s": 60, "total": 0}
                 for d in data["devices"]:
                     key = (d["node"], d["device"], d.get("last_oom_ts"))
                     if key[2] is not None and key not in seen:
                         seen.add(key)
                         ooms.append(Oom(d["node"], d["device"], float(key[2]), d.get("job")))
                 received = inbox.snapshot()
+                page = {"page": data, "alerts": []}
                 if view is not None:
-                    lines = [_alert_line(a, ok) for a, ok in received[-8:]]
+                    # `oomcast top`'s table, sized to the window, then the webhooks that fit
+                    width, height = console.size
+                    rows = max(3, min(len(data["devices"]), height // 2))
+                    lines = [_alert_line(a, ok) for a, ok in received[-max(2, height - rows - 8) :]]
                     body = Text("\n".join(lines) or "no alerts yet", style="dim")
-                    view.update(
-                        Group(
-                            _table(data["devices"], data["alert_horizon_s"]),
-                            Text("webhooks received:"),
-                            body,
-                        )
-                    )
+                    view.update(Group(table(page, width, rows), Text("webhooks received:"), body))
                 else:
                     for alert, ok in received[shown:]:
                         print(_alert_line(alert, ok), flush=True)
                     shown = len(received)
                     if time.monotonic() - last_plain > 5:
                         last_plain = time.monotonic()
-                        for d in data["devices"]:
-                            print(
-                                f"  {d['node']}/{d['device']}: {d['used_frac']:.0%} used,"
-                                f" risk {d['alert_risk']:.2f}, OOMs {d['ooms_seen']}",
-                                flush=True,
-                            )
+                        for line in render_lines(page):  # `oomcast top --plain`'s block
+                            print(line, flush=True)
                 stop.wait(0.5)
     except KeyboardInterrupt:
         pass

@@ -28,8 +28,8 @@ from oomcast.model.schema import Event, Sample
 @pytest.mark.slow
 def test_demo_runs_and_cleans_up(redis_url: str, rclient: redis.Redis) -> None:
     env = {**os.environ, "OOMCAST_REDIS_URL": redis_url}
-    done = subprocess.run(
-        oomcast_cmd("demo", "--plain", "--duration", "12"),
+    done = subprocess.run(  # no --plain: piped, it prints lines all the same
+        oomcast_cmd("demo", "--duration", "12"),
         env=env,
         capture_output=True,
         text=True,
@@ -38,6 +38,9 @@ def test_demo_runs_and_cleans_up(redis_url: str, rclient: redis.Redis) -> None:
     assert done.returncode == 0, done.stderr
     assert "service: http://127.0.0.1:" in done.stdout
     assert "demo-node-a/gpu" in done.stdout  # the service's view, read over its REST API
+    # as `oomcast top --plain` prints it: a block headed by the time, a domain a line
+    assert re.search(r"^\d\d:\d\d:\d\d \d+ domains live, \d+ firing", done.stdout, re.M)
+    assert re.search(r"^  demo-node-\w/gpu\d job=\S+ used \d+%", done.stdout, re.M)
     assert re.search(
         r"^demo over: \d+ OOMs?, \d+ of them warned of in advance; \d+ alerts? fired in all,"
         r" \d+ false alarms?(, \d+ still open)?; \d+ webhooks? received",

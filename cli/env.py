@@ -30,3 +30,5 @@ class CommandEnv(BaseSettings):
     node: str | None = None
     # The agent's OOMCAST_REDIS_URL (or --redis-url) names a Redis Cluster node (see Settings).
     redis_cluster: bool = False
+    # Where `oomcast top` finds the service's API (--url)
+    url: str = "http://127.0.0.1:8000"

@@ -72,7 +72,7 @@ def build_parser(env: CommandEnv | None = None) -> argparse.ArgumentParser:
     cli_service.add_bench_parser(sub)
     cli_check.add_parser(sub)
     cli_explain.add_parser(sub)
-    cli_top.add_parser(sub)
+    cli_top.add_parser(sub, env)
     _explain_every_command(sub)
     return p
 

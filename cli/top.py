@@ -20,7 +20,6 @@ import time
 from typing import Any
 
 GIB = 1 << 30
-DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 class ReadError(RuntimeError):
@@ -48,7 +47,20 @@ def fetch(client: Any, limit: int, node: str | None, job: str | None) -> dict[st
             )
         if r.status_code != 200:
             raise ReadError(f"{r.request.url}: HTTP {r.status_code}: {r.text[:200]}")
-    return {"page": devices.json(), "alerts": alerts.json().get("alerts", [])}
+    return {
+        "page": devices.json(),
+        "alerts": [a for a in alerts.json().get("alerts", []) if is_alert(a)],
+    }
+
+
+def is_alert(entry: dict[str, Any]) -> bool:
+    """An alert of a rule, as first sent: ``/v1/alerts`` also holds delivery and command
+    records (``record``) and the reminders of an alert still firing (``repeat``)."""
+    return (
+        "record" not in entry
+        and entry.get("status") in ("firing", "resolved")
+        and not entry.get("repeat")
+    )
 
 
 def _gib(n: int | None) -> str:
@@ -91,8 +103,10 @@ def alert_line(alert: dict[str, Any]) -> str:
 def header(page: dict[str, Any], now: float | None = None) -> str:
     when = time.strftime("%H:%M:%S", time.localtime(now or time.time()))
     firing = sum(1 for d in page["devices"] if d["alert"]["firing"])
+    shown = len(page["devices"])
+    of = "" if shown >= page["total"] else f" of the {shown} shown"
     return (
-        f"{when} {page['total']} domains live, {firing} firing (of those shown);"
+        f"{when} {page['total']} live, {firing} firing{of};"
         f" risk = P(OOM within {page['alert_horizon_s']} s), riskiest first"
     )
 
@@ -218,7 +232,7 @@ def _live(client: Any, args: Any, limit: int) -> int:
     return 0
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Any, env: Any) -> None:
     t = sub.add_parser(
         "top",
         help="a running service's fleet in the terminal, riskiest first",
@@ -226,8 +240,7 @@ def add_parser(sub: Any) -> None:
         " GPU's processes and the newest alerts, refreshed in place on a terminal; piped or"
         " with --plain, a time-stamped block per refresh and each alert once.",
     )
-    t.add_argument("--url", default=os.environ.get("OOMCAST_URL", DEFAULT_URL),
-                   help="where the service's API answers (OOMCAST_URL)")  # fmt: skip
+    t.add_argument("--url", default=env.url, help="where the service's API answers (OOMCAST_URL)")
     t.add_argument("--token", default=None, help="API token (default: OOMCAST_API_TOKEN)")
     t.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     t.add_argument(

@@ -31,7 +31,7 @@ from typing import Any
 from oomcast.model.growth import GROWTH_FEATURES, GrowthTracker
 from oomcast.model.schema import Sample, parse_sample
 
-EMBEDDING_VERSION = 5
+EMBEDDING_VERSION = 6
 
 # Features of one sample and its predecessor (``embed``).
 INSTANT_FEATURES: tuple[str, ...] = (

@@ -91,12 +91,15 @@ class Fit:
 
 
 def persistent(m1: float, m2: float, m3: float, step: float) -> bool:
-    """Whether a window's rise has lasted, from the means of its thirds and half the rise
-    the fitted line gives a third (``step``): it had risen by the middle third, and has not
-    fallen back since. A spike at the window's end rises in the last third only (it may yet
-    fall back), and is not growth until it has lasted; a caching allocator's staircase, or a
-    growing sequence length's, rises in steps and is."""
-    return m2 - m1 >= step and m3 - m2 >= -step
+    """Whether a window's rise has lasted and still goes on, from the means of its thirds
+    and half the rise the fitted line gives a third (``step``): it rose by at least that
+    from the first third to the middle one, and again from the middle one to the last. A
+    spike at the window's end rises in the last third only (it may yet fall back), and is
+    not growth until it has lasted; a jump at the window's start (a job's start-up, its
+    weights landing) followed by a level rises in the first third only, and is not growth
+    either, however steep the line fitted through it; a caching allocator's staircase, or
+    a growing sequence length's, rises in steps through the window and is."""
+    return m2 - m1 >= step and m3 - m2 >= step
 
 
 def fit_windows(t: list[float], y: list[float], newest: float) -> list[Fit]:

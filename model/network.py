@@ -44,7 +44,9 @@ from oomcast.model.growth import squash_s
 # The hazard bins' ends (seconds); every reported horizon is one of them.
 # Finer where an alert is decided (a minute and less), so the median read from the curve can
 # say 30 s when it means 30 s.
-BINS_S: tuple[int, ...] = (5, 10, 15, 20, 25, 30, 35, 40, 50, 60, 75, 90, 120, 150, 180, 240, 300)
+BINS_S: tuple[int, ...] = (
+    5, 10, 15, 20, 25, 30, 35, 40, 45, 50, 60, 75, 90, 120, 150, 180, 240, 300
+)  # fmt: skip
 GATE_GROWTH_S = 30.0  # growth beyond noise needed before the gate opens
 BRINK_LEVEL = 0.98
 RETRIES_LEVEL = 0.9

@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -180,9 +181,18 @@ def load_paths(
 
 
 def _to_npz(path: Path, seqs: list[Sequence]) -> None:
+    """Written beside and renamed into place: two trainings (or a training and an
+    evaluation) filling the same cache at once never leave a torn file for the next."""
     lengths = np.asarray([len(s.x) for s in seqs])
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("wb") as out:
+        _savez(out, seqs, lengths)
+    os.replace(tmp, path)
+
+
+def _savez(out: BinaryIO, seqs: list[Sequence], lengths: np.ndarray) -> None:
     np.savez_compressed(
-        path,
+        out,
         names=np.asarray([s.name for s in seqs]),
         lengths=lengths,
         ooms=np.asarray([s.ooms for s in seqs]),

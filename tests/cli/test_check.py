@@ -60,7 +60,7 @@ def test_actions_with_somewhere_to_go_are_not_a_warning(tmp_path: Path) -> None:
 @pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_each_problem_is_named_and_fails_the_check(tmp_path: Path, redis_url: str) -> None:
     env_file = tmp_path / "oomcast.env"
-    env_file.write_text("OOMCAST_ALERT_HORIZON_S=45\n")
+    env_file.write_text("OOMCAST_ALERT_HORIZON_S=50\n")
     out = check({"OOMCAST_REDIS_URL": redis_url}, "--config", str(env_file), "--no-redis")
     assert out.returncode == 1
     assert "FAIL settings" in out.stdout and "OOMCAST_ALERT_HORIZON_S must be one of" in out.stdout

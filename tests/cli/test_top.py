@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from support import GIB, T0, wait_until
 
-from oomcast.cli.top import ReadError, alert_line, fetch, render_lines, run
+from oomcast.cli.top import ReadError, alert_line, fetch, is_alert, render_lines, run
 from oomcast.service.main import create_app
 from oomcast.service.settings import Settings
 
@@ -63,7 +63,7 @@ def test_the_riskiest_domain_comes_first_with_its_processes_and_its_alert(
         assert wait_until(lambda: c.get("/v1/alerts").json()["count"] >= 1)
         data = fetch(c, 10, None, None)
     lines = render_lines(data, now=0.0)
-    assert "2 domains live, 1 firing" in lines[0]
+    assert "2 live, 1 firing;" in lines[0]
     assert f"P(OOM within {data['page']['alert_horizon_s']} s)" in lines[0]
     # the hot GPU first, its full name (never cut short), its use and its alert
     assert lines[1].startswith("  node-with-a-long-name-a/gpu0 job=job-gpu0 used 89%")
@@ -110,3 +110,11 @@ def test_once_against_nothing_exits_1_and_says_where_it_looked(
     assert run(args) == 1
     err = capsys.readouterr().err
     assert f"cannot reach http://127.0.0.1:{port}" in err
+
+
+def test_only_first_sendings_of_alerts_are_listed() -> None:
+    fired = {"status": "firing", "node": "n", "device": "g", "rule_name": "oom-forecast"}
+    assert is_alert(fired) and is_alert({**fired, "status": "resolved"})
+    assert not is_alert({**fired, "repeat": True})  # a reminder of one still firing
+    assert not is_alert({**fired, "record": "delivery"})  # the webhook's delivery, audited
+    assert not is_alert({"event": "action_result", "record": "event", "status": "done"})

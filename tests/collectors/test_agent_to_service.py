@@ -87,7 +87,7 @@ def test_agent_publishes_both_sources_and_the_service_forecasts(
         assert wait_until(lambda: len(httpx.get(url).json()["history"]) >= 40, 30)
         detail = httpx.get(url).json()
         assert detail["history"][-1]["total_bytes"] == CGROUP_LIMIT
-        assert set(g["risk"]) == {"5", "15", "30", "60", "120", "300"}
+        assert set(g["risk"]) == {"5", "15", "30", "45", "60", "120", "300"}
         # the cgroup's OOM kill reached the events stream
         [(_, fields)] = redis.Redis.from_url(redis_url).xrange(keys.events)
         event = decode_event(fields)

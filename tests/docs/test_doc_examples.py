@@ -245,6 +245,17 @@ def send_the_curl_examples(s: Session) -> None:
         assert isinstance(json.loads(out.stdout), dict), f"{doc}: {out.stdout}"
 
 
+def send_the_curl_examples_and_top(s: Session) -> None:
+    """The curl calls, then the README's ``oomcast top`` once against the same service."""
+    send_the_curl_examples(s)
+    out = subprocess.run(
+        ["oomcast", "top", "--url", f"http://127.0.0.1:{s.port}", "--once"],
+        capture_output=True, text=True, timeout=60, env=s.env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert re.match(r"\d\d:\d\d:\d\d \d+ live, \d+ firing", out.stdout), out.stdout
+
+
 def cgroup_v1_memory() -> str | None:
     if (Path("/sys/fs/cgroup/memory") / "memory.usage_in_bytes").exists():
         return None
@@ -403,7 +414,7 @@ RUNS: dict[str, Run] = {
     "oomcast serve --host 0.0.0.0 --port 8000": Run(
         extra="--host 127.0.0.1 --port {port}",  # loopback, and a free port
         until=ready,
-        then=send_the_curl_examples,
+        then=send_the_curl_examples_and_top,
         stopped=SERVED,
     ),
     # the front and its workers (docs/scaling.md): the README's curl goes through the front
@@ -491,6 +502,9 @@ RUNS: dict[str, Run] = {
 
 NVML = "reads NVML: needs an NVIDIA driver and GPU (without them it exits 2, saying so)"
 NOT_RUN: dict[str, str] = {
+    "oomcast top --url http://127.0.0.1:8000": "redraws until Ctrl-C, against a service: the"
+    " `oomcast serve --host 0.0.0.0 --port 8000` line's run sends it, `--once`, to that"
+    " service (and tests/cli/test_top.py checks what it prints)",
     "oomcast collect --source nvml,cgroup": NVML,
     "oomcast collect --source nvml --priority 'pod:*=0' --priority 'batch-*=-10'": NVML,
     "oomcast bench faults": "all 8 scenarios take 4-5 minutes; the same bench runs here as"
@@ -649,7 +663,7 @@ def test_every_curl_example_is_sent_to_the_service() -> None:
     assert found, "no curl example found"
     for doc, body in found:
         assert "localhost:8000" in body, f"{doc}: a curl example not sent anywhere: {body}"
-    assert RUNS["oomcast serve --host 0.0.0.0 --port 8000"].then is send_the_curl_examples
+    assert RUNS["oomcast serve --host 0.0.0.0 --port 8000"].then is send_the_curl_examples_and_top
 
 
 RUN_LINES = [line for line in DOCUMENTED if line in RUNS]

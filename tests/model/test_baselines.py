@@ -89,7 +89,7 @@ def test_predict_linear_risk_follows_the_projection() -> None:
     out = run(fc, ramp(450))
     f = out[441]  # OOM projected 59 s ahead
     assert f.time_to_oom_s == pytest.approx(59, abs=1e-6)
-    assert f.risk == {5: 0.0, 15: 0.0, 30: 0.0, 60: 1.0, 120: 1.0, 300: 1.0}
+    assert f.risk == {5: 0.0, 15: 0.0, 30: 0.0, 45: 0.0, 60: 1.0, 120: 1.0, 300: 1.0}
     f = out[100]  # 400 s ahead: beyond every horizon
     assert f.max_risk == 0.0
 

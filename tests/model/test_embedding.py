@@ -79,7 +79,7 @@ def test_feature_names_are_unique_and_counted() -> None:
     assert len(set(FEATURES)) == len(FEATURES) == N_FEATURES == 45
     assert FEATURES == INSTANT_FEATURES + CONTEXT_FEATURES
     assert FEATURES[:N_INSTANT] == INSTANT_FEATURES and N_INSTANT == 14
-    assert EMBEDDING_VERSION == 5
+    assert EMBEDDING_VERSION == 6
     # v5: growth beyond noise over 15-120 s, the projection to the limit, its age
     assert FEATURES[-len(GROWTH_FEATURES) :] == GROWTH_FEATURES
     # v4: the level and its log headroom replace the per-sample rate and the absolute GiB

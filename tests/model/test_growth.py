@@ -92,6 +92,23 @@ def test_a_noisy_flat_line_and_passing_spikes_are_not_growth() -> None:
     assert not [s for s in grown if s % 40 < 6], grown
 
 
+@pytest.mark.parametrize("top", [0.5, 0.85])
+def test_a_start_up_jump_then_a_level_is_never_growth_as_windows_come_of_age(top: float) -> None:
+    # weights land in 5 s, then the job steps in a 12 s sawtooth of 10% around ``top``: every
+    # window that comes of age (15 s, 30 s, 60 s, 120 s) first holds the jump in its first
+    # third, and the line fitted through it is steep; it is still not growth (the demo's
+    # sawtooth job was alerted on 30 s in when it was)
+    def level(t: float) -> float:
+        return (top - 0.05) * min(1.0, t / 5.0) + 0.10 * ((t % 12.0) / 12.0)
+
+    feats = run(level, 300, 1.0)
+    grown = [s for s, f in feats.items() if age(f) > 0]
+    assert not grown, grown
+    # and the same jump followed by a real leak is growth once the leak has lasted
+    leak = run(lambda t: level(t) + (0.002 * (t - 60.0) if t > 60 else 0.0), 200, 1.0)
+    assert age(leak[130]) >= 30.0, age(leak[130])
+
+
 def test_a_climb_that_levels_off_decelerates_and_stops_growing() -> None:
     rng = random.Random(5)
 

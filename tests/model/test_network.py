@@ -208,12 +208,12 @@ def test_hazard_targets_mark_survived_bins_and_the_oom_s_bin() -> None:
 
 def test_hazard_loss_counts_weighted_ticks_and_learns_where_the_oom_falls() -> None:
     logits = torch.zeros(1, 2, len(BINS_S), requires_grad=True)
-    tto = torch.tensor([[45.0, math.inf]])
+    tto = torch.tensor([[47.0, math.inf]])
     known = torch.tensor([[math.inf, 500.0]])
     survived, event = hazard_targets(tto, known, BINS_S)
     w = torch.tensor([[1.0, 0.0]])
     loss = hazard_loss(logits, survived, event, w)
-    # the first tick: the bins before 40 s survived and the OOM's (40-50 s), each log(1/2);
+    # the first tick: the bins before 45 s survived and the OOM's (45-50 s), each log(1/2);
     # the second weighs 0
     at = list(BINS_S).index
     assert float(loss.detach()) == pytest.approx((at(50) + 1) * math.log(2.0), rel=1e-5)
@@ -223,7 +223,7 @@ def test_hazard_loss_counts_weighted_ticks_and_learns_where_the_oom_falls() -> N
         hazard_loss(logits, survived, event, torch.ones(1, 2)).backward()
         opt.step()
     h = torch.sigmoid(logits.detach())
-    assert h[0, 0, at(50)] > 0.9 and (h[0, 0, : at(50)] < 0.1).all()  # OOM in 40-50 s
+    assert h[0, 0, at(50)] > 0.9 and (h[0, 0, : at(50)] < 0.1).all()  # OOM in 45-50 s
     assert (h[0, 1] < 0.1).all()  # the censored tick survived everything it saw
 
 
@@ -237,17 +237,17 @@ def _features(level: float, age_s: float, ttl_lo_s: float, retries: float = 0.0)
 
 
 def test_the_evidence_gate_needs_30_s_of_growth_and_the_limit_within_the_horizon() -> None:
-    horizons = NetConfig().horizons_s  # 5, 15, 30, 60, 120, 300
+    horizons = NetConfig().horizons_s  # 5, 15, 30, 45, 60, 120, 300
     gate = evidence_gate(torch.stack([
         _features(0.5, 29.0, 10.0),  # growth too young
-        _features(0.5, 30.0, 45.0),  # the limit 45 s away at the earliest: 60 s and longer
+        _features(0.5, 30.0, 50.0),  # the limit 50 s away at the earliest: 60 s and longer
         _features(0.5, 600.0, 3600.0),  # growing, but nowhere near
         _features(0.985, 0.0, 3600.0),  # the brink
         _features(0.92, 0.0, 3600.0, retries=1.0),  # retries climbing above 90%
         _features(0.85, 0.0, 3600.0, retries=1.0),  # ... not below
     ]), horizons)  # fmt: skip
     assert gate.tolist() == [
-        [0] * 6, [0, 0, 0, 1, 1, 1], [0] * 6, [1] * 6, [1] * 6, [0] * 6,
+        [0] * 7, [0, 0, 0, 0, 1, 1, 1], [0] * 7, [1] * 7, [1] * 7, [0] * 7,
     ]  # fmt: skip
 
 

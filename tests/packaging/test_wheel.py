@@ -18,7 +18,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 TOP = ("model", "collectors", "service", "training", "preflight", "cli", "bench")
 SUBCOMMANDS = ("demo", "serve", "collect", "control-key", "dump", "simulate", "evaluate",
-               "train", "export", "card", "preflight", "bench", "check", "explain", "top")  # fmt: skip
+               "train", "export", "card", "preflight", "bench", "check", "explain",
+               "top")  # fmt: skip
 
 
 def source_modules() -> set[str]:

@@ -97,7 +97,7 @@ def test_predict_returns_risk_per_horizon(client: TestClient) -> None:
     r = client.post("/v1/predict", json=body(3))
     assert r.status_code == 200, r.text
     out = r.json()
-    assert set(out["risk"]) == {"5", "15", "30", "60", "120", "300"}
+    assert set(out["risk"]) == {"5", "15", "30", "45", "60", "120", "300"}
     assert out["model_version"].startswith("baseline/")
     assert "time_to_oom_s" in out
 

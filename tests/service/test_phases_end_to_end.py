@@ -5,6 +5,7 @@ real webhook receiver. The memory stream is flat at 60%: only the schedule can w
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from support import GIB, T0, wait_until
 
 from oomcast.model.events import ScheduleEvent
 from oomcast.model.phase import MARGIN_FRAC
+from oomcast.model.runtime import OnnxForecaster
 from oomcast.model.wire import Keys, encode_event, encode_samples
 from oomcast.service.main import create_app
 from oomcast.service.settings import Settings
@@ -24,8 +26,15 @@ from oomcast.service.settings import Settings
 TOTAL = 80 * GIB
 USED = 48 * GIB  # 60%, flat
 HEADROOM = TOTAL - int(MARGIN_FRAC * TOTAL) - USED
-EVAL_EVERY = 100
 STEPS = 41  # steps 0..40 at 1 step/s, stamped T0 + step
+
+
+@functools.cache
+def eval_every() -> int:
+    """Steps (1 s each) between evaluations: the eval falls inside the shipped model's alert
+    horizon from the first step, up to 100 s ahead, so the warning comes at once whatever
+    horizon the model's validated rule has."""
+    return min(100, OnnxForecaster().rule.horizon_s - 10)
 
 
 def hooked(node: str, step: int) -> dict[str, Any]:
@@ -46,7 +55,7 @@ def hooked(node: str, step: int) -> dict[str, Any]:
 def schedule(node: str, eval_extra: int) -> dict[str, str]:
     event = ScheduleEvent(
         T0, node, "cuda0", "schedule", f"train-{node}",
-        eval_every_steps=EVAL_EVERY, checkpoint_every_steps=1000,
+        eval_every_steps=eval_every(), checkpoint_every_steps=1000,
         phase_extra_bytes={"eval": eval_extra, "checkpoint": GIB},
     )  # fmt: skip
     return encode_event(event)
@@ -94,20 +103,20 @@ def test_an_eval_that_will_not_fit_is_alerted_with_its_cause_and_one_that_fits_i
         alert = firing[0]["json"]
         assert alert["cause"] == "phase:eval" and alert["rule_name"] == "oom-forecast"
         assert alert["model_version"].startswith("lstm")
-        # the eval runs at step 100, stamped T0 + 100: the forecast says when, from its sample
-        # (from the first sample with a step rate to time it by: step 2, 98 s ahead)
-        until_eval = T0 + EVAL_EVERY - alert["observed_at"]
+        # the eval runs at step eval_every(), stamped so: the forecast says when, from its
+        # sample (from the first sample with a step rate to time it by: step 2)
+        until_eval = T0 + eval_every() - alert["observed_at"]
         assert alert["observed_at"] == T0 + 2
         assert alert["time_to_oom_s"] >= 30
         assert abs(alert["time_to_oom_s"] - until_eval) <= 0.05 * until_eval
         devices = {d["node"]: d for d in c.get("/v1/devices").json()["devices"]}
         oom, fits = devices["n-oom"], devices["n-fits"]
         assert oom["cause"] == "phase:eval" and oom["alert"]["firing"]
-        assert oom["time_to_oom_s"] == EVAL_EVERY - (STEPS - 1)
+        assert oom["time_to_oom_s"] == eval_every() - (STEPS - 1)
         assert oom["phase"] == {
             "phase": "eval",
-            "in_s": 60.0,
-            "steps_away": 60,
+            "in_s": float(eval_every() - (STEPS - 1)),
+            "steps_away": eval_every() - (STEPS - 1),
             "extra_bytes": HEADROOM + 4 * GIB,
             "headroom_bytes": HEADROOM,
             "measured": False,
@@ -127,8 +136,9 @@ def test_the_in_job_hooks_schedule_reaches_the_service_and_warns(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The real MemoryHook (host mode: this process's own memory) announces an eval every
-    100 steps at 1 s per step that needs more than the whole machine: the service warns
-    about 99 s ahead, with the cause; a second job whose eval fits is left alone."""
+    ``eval_every()`` steps at 1 s per step that needs more than the whole machine: the
+    service warns that far ahead, with the cause; a second job whose eval fits is left
+    alone."""
     from oomcast.collectors.hook import MemoryHook
 
     monkeypatch.delenv("OOMCAST_HOOK", raising=False)
@@ -159,11 +169,11 @@ def test_the_in_job_hooks_schedule_reaches_the_service_and_warns(
             for node, hook in hooks.items():
                 extra = 1 << 20 if node == "n-hook-fits" else 1 << 50  # 1 MiB; 1 PiB
                 hook.set_schedule(
-                    eval_every_steps=100, step_s=1.0, phase_extra_bytes={"eval": extra}
+                    eval_every_steps=eval_every(), step_s=1.0, phase_extra_bytes={"eval": extra}
                 )
             assert wait_until(lambda: events_read(c, "schedule") == 2)
             for hook in hooks.values():
-                hook.step(1)  # a sample after the schedule: 99 steps, 99 s before the eval
+                hook.step(1)  # a sample after the schedule: one step less before the eval
                 assert hook.flush(5.0)
             firing = webhook_receiver.wait_for(lambda r: r["json"]["status"] == "firing")
         finally:
@@ -179,10 +189,10 @@ def test_the_in_job_hooks_schedule_reaches_the_service_and_warns(
         assert [r["json"]["node"] for r in firing] == ["n-hook-oom"]
         alert = firing[0]["json"]
         assert alert["cause"] == "phase:eval" and alert["device"] == f"proc:{os.getpid()}"
-        # 100 s when the service read the schedule before the step-0 sample set_schedule
-        # takes (the events and the samples are separate streams, read in either order),
-        # 99 s when it forecast from the step-1 sample first
-        assert 90 <= alert["time_to_oom_s"] <= 100
+        # eval_every() s when the service read the schedule before the step-0 sample
+        # set_schedule takes (the events and the samples are separate streams, read in either
+        # order), a second less when it forecast from the step-1 sample first
+        assert eval_every() - 10 <= alert["time_to_oom_s"] <= eval_every()
         devices = {d["node"]: d for d in c.get("/v1/devices").json()["devices"]}
         assert not devices["n-hook-fits"]["cause"].startswith("phase:")
         assert not devices["n-hook-fits"]["alert"]["firing"]

@@ -22,7 +22,7 @@ def test_partition_sets() -> None:
         ({"webhook_url": "http://x/h"}, "OOMCAST_WEBHOOK_SECRET"),
         ({"webhook_url": "ftp://x/h", "webhook_secret": "k"}, r"http\(s\) URL"),
         ({"redis_url": "http://localhost"}, "redis://"),
-        ({"alert_horizon_s": 45}, "one of"),
+        ({"alert_horizon_s": 50}, "one of"),
         ({"alert_resolve_risk": 0.6}, "flap"),
         ({"partitions": 2, "partitions_owned": "0-2"}, "OOMCAST_PARTITIONS_OWNED"),
     ],

@@ -60,8 +60,8 @@ def seq(tto: list[float], ooms: bool, group: str = "", level: float = 0.5) -> Se
     return Sequence(
         "s",
         np.zeros((n, 1), np.float32),
-        np.zeros((n, 6), np.float32),
-        np.ones((n, 6), np.float32),
+        np.zeros((n, len(HORIZONS_S)), np.float32),
+        np.ones((n, len(HORIZONS_S)), np.float32),
         np.asarray(tto, dtype=np.float64),
         ooms,
         group,
@@ -72,8 +72,8 @@ def seq(tto: list[float], ooms: bool, group: str = "", level: float = 0.5) -> Se
 
 
 def _risks(columns: list[list[float]]) -> np.ndarray:
-    """(time, 6) risks with the same curve at every horizon."""
-    return np.repeat(np.asarray(columns, dtype=np.float64)[:, None], 6, axis=1)
+    """(time, horizons) risks with the same curve at every horizon."""
+    return np.repeat(np.asarray(columns, dtype=np.float64)[:, None], len(HORIZONS_S), axis=1)
 
 
 def test_score_rules_keeps_to_the_ceiling_with_a_margin_on_both_sides() -> None:
@@ -105,7 +105,7 @@ def test_score_rules_keeps_to_the_ceiling_with_a_margin_on_both_sides() -> None:
     assert all(r.fire_risk == pytest.approx(math.sqrt(floor * 0.4), abs=2e-6) for r in flat)
     assert all(r.recall_30 == 1.0 for r in flat)
     # each horizon reads its own column
-    per_h = [np.zeros((4, 6)) for _ in seqs]
+    per_h = [np.zeros((4, len(HORIZONS_S))) for _ in seqs]
     per_h[1][1, 2] = 0.9  # a quiet run high at the 30 s horizon only
     rules = {r.horizon_s: r for r in score_rules(seqs, per_h, 0.0)}
     assert rules[30].fire_risk == pytest.approx(0.9, abs=2e-6) and rules[60].fire_risk == 0.02
@@ -184,8 +184,8 @@ def _random_seqs(seed: int, lengths: list[int]) -> list[Sequence]:
             Sequence(
                 "r",
                 x,
-                np.zeros((n, 6), np.float32),
-                np.ones((n, 6), np.float32),
+                np.zeros((n, len(HORIZONS_S)), np.float32),
+                np.ones((n, len(HORIZONS_S)), np.float32),
                 np.full(n, np.inf),
                 False,
             )
@@ -204,7 +204,7 @@ def test_predict_sequences_runs_each_sequence_from_its_start_whatever_the_batch(
             x = torch.from_numpy(s.x[None])
             alone, _ = net(x)
             log_s, log_tto, _ = net.heads(x)
-        assert r.shape == (len(s.x), 6) and t.shape == (len(s.x),)
+        assert r.shape == (len(s.x), len(HORIZONS_S)) and t.shape == (len(s.x),)
         assert np.allclose(r, alone[0].numpy(), atol=1e-5)
         assert np.allclose(ls, log_s[0].numpy(), atol=1e-5)
         assert np.allclose(t, torch.exp(log_tto[0].clamp(-2.0, 9.0)).numpy(), rtol=1e-5)
@@ -320,7 +320,7 @@ def test_training_writes_a_checkpoint_that_explains_itself(runs: dict[str, Any])
     assert rule["horizon_s"] in on_disk["config"]["horizons_s"]
     # the calibration travels with the weights, and was fitted on the validation split
     cal_a, cal_b = on_disk["weights"]["cal_a"], on_disk["weights"]["cal_b"]
-    assert cal_a.shape == cal_b.shape == (6,)
+    assert cal_a.shape == cal_b.shape == (len(HORIZONS_S),)
     assert not (torch.equal(cal_a, torch.ones(6)) and torch.equal(cal_b, torch.zeros(6)))
     # each source is counted by group; every simulated GPU twice (hook and NVML alone);
     # the plain shapes a quarter as many in validation

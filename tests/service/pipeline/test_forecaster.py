@@ -56,7 +56,7 @@ def test_the_model_serves_with_its_own_rule(
         assert ready["model_version"] == "lstm-test"
         out = c.post("/v1/predict", json=body()).json()
         assert out["model_version"] == "lstm-test"
-        risks = [out["risk"][h] for h in ("5", "15", "30", "60", "120", "300")]
+        risks = [out["risk"][h] for h in ("5", "15", "30", "45", "60", "120", "300")]
         assert risks == sorted(risks)
         assert c.get("/v1/devices").json()["alert_horizon_s"] == 120  # the model's rule
         metrics = c.get("/metrics").text

@@ -72,8 +72,8 @@ RISK_RULE = {
         ({**RISK_RULE, "when": {"horizon_s": 60}}, "give exactly one detector"),
         # a horizon given but not forecast used to read as a missing one ("needs horizon_s")
         (
-            {**RISK_RULE, "when": {"fire_risk": 0.8, "horizon_s": 45}},
-            "'r': when: horizon_s 45 is not a horizon the model forecasts; choose one of",
+            {**RISK_RULE, "when": {"fire_risk": 0.8, "horizon_s": 50}},
+            "'r': when: horizon_s 50 is not a horizon the model forecasts; choose one of",
         ),
         ({**RISK_RULE, "actions": ["page"]}, "'r': actions[0]: Input should be"),
         ({**RISK_RULE, "resolve": {"resolve_risk": 0.9}}, "must be below when.fire_risk"),

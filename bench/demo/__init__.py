@@ -41,7 +41,7 @@ from pydantic import SecretStr
 
 from oomcast.bench.demo.inbox import WebhookInbox
 from oomcast.bench.demo.summary import summarize
-from oomcast.bench.demo.view import watch
+from oomcast.bench.demo.view import emit, watch
 from oomcast.bench.procs import FaultBenchError, RedisServer, free_port, redis_answers
 from oomcast.model.control import node_key
 from oomcast.model.wire import DEFAULT_REDIS_URL, redact_url
@@ -258,41 +258,14 @@ def run_demo(
     try:
         with redis_for_demo(say, private_redis, redis_url) as url, WebhookInbox(secret) as inbox:
             _delete_demo_keys(url)
-            settings = Settings(
-                redis_url=url,
-                key_prefix=PREFIX,
-                partitions=PARTITIONS,
-                consumer_name="demo",
-                webhook_url=inbox.url,
-                webhook_secret=SecretStr(secret),
-                control_secret=SecretStr(control_secret),
-            )
-            with (
-                held_logs(live) as held,
-                service_in_thread(settings, port or free_port()) as base,
-                collectors(url, speed, control_secret),
-            ):
-                say(f"service: {base}  (try {base}/v1/devices or {base}/docs)")
-                ready = httpx.get(f"{base}/readyz", timeout=5).json()
-                kind = ready["forecaster"]["kind"]
-                note = {
-                    "model": "the trained model",
-                    "baseline": "a baseline, as configured",
-                    "fallback": "a BASELINE: " + ready["forecaster"]["reason"],
-                }[kind]
-                say(f"forecaster: {ready['model_version']} ({note})")
-                say(f"webhooks: {inbox.url}, HMAC-signed; Ctrl-C stops the demo")
-                ooms = watch(base, inbox, stop, duration_s, live)
-            if held:  # held back while the live table was up
-                print(f"the service logged {len(held)} warnings:")
-                for line in held:
-                    print(f"  {line}")
-            for line in summarize(inbox.snapshot(), ooms, demo_patterns(), started_at):
-                print(line)
             try:
-                _delete_demo_keys(url)
-            except redis.RedisError as exc:
-                print(f"oomcast demo: could not remove the demo's keys: {exc}", file=sys.stderr)
+                _run(url, inbox, stop, duration_s, live, port, speed, control_secret, secret,
+                     started_at)  # fmt: skip
+            finally:  # whatever stopped it: no demo key outlives the demo
+                try:
+                    _delete_demo_keys(url)
+                except redis.RedisError as exc:
+                    print(f"oomcast demo: could not remove the demo's keys: {exc}", file=sys.stderr)
     except DemoError as exc:
         print(f"oomcast demo: error: {exc}", file=sys.stderr)
         return 2
@@ -301,3 +274,51 @@ def run_demo(
             signal.signal(sig, handler)
         faulthandler.unregister(signal.SIGUSR1)
     return 0
+
+
+def _run(
+    url: str,
+    inbox: WebhookInbox,
+    stop: threading.Event,
+    duration_s: float | None,
+    live: bool,
+    port: int,
+    speed: float,
+    control_secret: str,
+    secret: str,
+    started_at: float,
+) -> None:
+    """The service, the agents and the view, until ``stop`` or ``duration_s``; then the
+    summary."""
+    say: Callable[[str], object] = emit
+    settings = Settings(
+        redis_url=url,
+        key_prefix=PREFIX,
+        partitions=PARTITIONS,
+        consumer_name="demo",
+        webhook_url=inbox.url,
+        webhook_secret=SecretStr(secret),
+        control_secret=SecretStr(control_secret),
+    )
+    with (
+        held_logs(live) as held,
+        service_in_thread(settings, port or free_port()) as base,
+        collectors(url, speed, control_secret),
+    ):
+        say(f"service: {base}  (try {base}/v1/devices or {base}/docs)")
+        ready = httpx.get(f"{base}/readyz", timeout=5).json()
+        kind = ready["forecaster"]["kind"]
+        note = {
+            "model": "the trained model",
+            "baseline": "a baseline, as configured",
+            "fallback": "a BASELINE: " + ready["forecaster"]["reason"],
+        }[kind]
+        say(f"forecaster: {ready['model_version']} ({note})")
+        say(f"webhooks: {inbox.url}, HMAC-signed; Ctrl-C stops the demo")
+        ooms = watch(base, inbox, stop, duration_s, live)
+    if held:  # held back while the live table was up
+        emit(f"the service logged {len(held)} warnings:")
+        for line in held:
+            emit(f"  {line}")
+    for line in summarize(inbox.snapshot(), ooms, demo_patterns(), started_at):
+        emit(line)

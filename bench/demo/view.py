@@ -4,6 +4,8 @@ webhooks as the receiver got them (a ``rich`` table, or plain lines with ``--pla
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
 import time
 from typing import Any
@@ -14,6 +16,19 @@ from oomcast.bench.demo.inbox import WebhookInbox
 from oomcast.bench.demo.summary import Oom
 
 GIB = 1 << 30
+
+
+def emit(text: str) -> None:
+    """Print a line; when the reader has gone (``oomcast demo | tee log`` stopped by the same
+    Ctrl-C), go on on stderr, so the summary is still seen and the clean-up still runs."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush must not fail
+        os.close(devnull)
+        sys.stdout = sys.stderr
+        print(text, flush=True)
 
 
 def _fmt_tto(t: float | None) -> str:
@@ -87,12 +102,12 @@ def watch(
                     view.update(Group(table(page, width, rows), Text("webhooks received:"), body))
                 else:
                     for alert, ok in received[shown:]:
-                        print(_alert_line(alert, ok), flush=True)
+                        emit(_alert_line(alert, ok))
                     shown = len(received)
                     if time.monotonic() - last_plain > 5:
                         last_plain = time.monotonic()
                         for line in render_lines(page):  # `oomcast top --plain`'s block
-                            print(line, flush=True)
+                            emit(line)
                 stop.wait(0.5)
     except KeyboardInterrupt:
         pass

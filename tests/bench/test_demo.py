@@ -66,6 +66,31 @@ def test_demo_starts_a_private_redis_when_none_answers(
     assert not real(url)  # stopped on the way out
 
 
+@pytest.mark.slow
+def test_a_reader_that_goes_away_leaves_the_summary_on_stderr_and_no_keys(
+    redis_url: str, rclient: redis.Redis
+) -> None:
+    # `oomcast demo | tee log` with Ctrl-C: tee dies with the demo's stdout still open. Here
+    # the reader reads three lines and closes the pipe, as tee's death would.
+    env = {**os.environ, "OOMCAST_REDIS_URL": redis_url}
+    proc = subprocess.Popen(
+        oomcast_cmd("demo", "--duration", "10"),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    for _ in range(3):
+        proc.stdout.readline()
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err
+    assert re.search(r"^demo over: ", err, re.M), err  # the summary, where it could go
+    assert "Traceback" not in err and "BrokenPipeError" not in err
+    assert list(rclient.scan_iter(match=f"{demo.PREFIX}:*")) == []
+
+
 @pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
 def test_ctrl_c_stops_everything_it_started(tmp_path: Path) -> None:
     # Like a terminal: SIGINT to the whole foreground process group.

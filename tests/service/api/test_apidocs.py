@@ -29,3 +29,22 @@ def test_the_api_reference_needs_nothing_from_outside(redis_url: str, key_prefix
             assert f'id="{method}-{path}"' in text
     for name in doc["components"]["schemas"]:
         assert f'id="schema-{name}"' in text
+
+
+def test_a_request_body_shows_its_fields_and_an_example_and_code_reads_as_code(
+    redis_url: str, key_prefix: str
+) -> None:
+    with TestClient(create_app(Settings(redis_url=redis_url, key_prefix=key_prefix))) as c:
+        text = c.get("/docs").text
+    start = text.index('id="post-/v1/samples"')
+    section = text[start : text.index('<div class="op"', start + 1)]
+    # the sample's own fields, in place, not "array of object of any"
+    for field in ("ts", "node", "device", "kind", "total_bytes", "used_bytes", "processes"):
+        assert f"<td><code>{field}</code></td>" in section, field
+    assert "object of any" not in section
+    assert "each item of <code>processes</code>" in section  # nested lists of objects too
+    assert "Example of <code>samples</code>" in section and "&quot;used_bytes&quot;" in section
+    # `code` in descriptions is shown as code, never as raw backticks
+    assert "<code>Authorization: Bearer</code>" in section
+    body = text[text.index("<body>") :]
+    assert "`" not in re.sub(r"<pre>.*?</pre>", "", body, flags=re.S)

@@ -26,7 +26,6 @@ from oomcast.service.settings import Settings
 TOTAL = 80 * GIB
 USED = 48 * GIB  # 60%, flat
 HEADROOM = TOTAL - int(MARGIN_FRAC * TOTAL) - USED
-STEPS = 41  # steps 0..40 at 1 step/s, stamped T0 + step
 
 
 @functools.cache
@@ -35,6 +34,11 @@ def eval_every() -> int:
     horizon from the first step, up to 100 s ahead, so the warning comes at once whatever
     horizon the model's validated rule has."""
     return min(100, OnnxForecaster().rule.horizon_s - 10)
+
+
+def steps() -> int:
+    """Samples sent, steps 0.. at 1 step/s stamped T0 + step: half way to the eval."""
+    return eval_every() // 2 + 1
 
 
 def hooked(node: str, step: int) -> dict[str, Any]:
@@ -89,14 +93,14 @@ def test_an_eval_that_will_not_fit_is_alerted_with_its_cause_and_one_that_fits_i
         rclient.xadd(keys.events, schedule("n-fits", HEADROOM - 4 * GIB))  # type: ignore[arg-type]
         assert wait_until(lambda: events_read(c, "schedule") == 2)
         for node in ("n-oom", "n-fits"):
-            payloads = [hooked(node, i) for i in range(STEPS)]
+            payloads = [hooked(node, i) for i in range(steps())]
             rclient.xadd(keys.samples_for(node), encode_samples(node, payloads))  # type: ignore[arg-type]
 
         def seen(node: str) -> int:
             r = c.get(f"/v1/devices/{node}/cuda0", params={"history": 0})
             return int(r.json()["samples_seen"]) if r.status_code == 200 else 0
 
-        assert wait_until(lambda: seen("n-oom") == STEPS and seen("n-fits") == STEPS)
+        assert wait_until(lambda: seen("n-oom") == steps() and seen("n-fits") == steps())
         firing = webhook_receiver.wait_for(lambda r: r["json"]["status"] == "firing")
         assert firing, c.get("/v1/alerts").text
         assert {r["json"]["node"] for r in firing} == {"n-oom"}  # the eval that fits: nothing
@@ -112,11 +116,11 @@ def test_an_eval_that_will_not_fit_is_alerted_with_its_cause_and_one_that_fits_i
         devices = {d["node"]: d for d in c.get("/v1/devices").json()["devices"]}
         oom, fits = devices["n-oom"], devices["n-fits"]
         assert oom["cause"] == "phase:eval" and oom["alert"]["firing"]
-        assert oom["time_to_oom_s"] == eval_every() - (STEPS - 1)
+        assert oom["time_to_oom_s"] == eval_every() - (steps() - 1)
         assert oom["phase"] == {
             "phase": "eval",
-            "in_s": float(eval_every() - (STEPS - 1)),
-            "steps_away": eval_every() - (STEPS - 1),
+            "in_s": float(eval_every() - (steps() - 1)),
+            "steps_away": eval_every() - (steps() - 1),
             "extra_bytes": HEADROOM + 4 * GIB,
             "headroom_bytes": HEADROOM,
             "measured": False,

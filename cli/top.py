@@ -14,7 +14,6 @@ so what it prints is tested without a terminal.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 from typing import Any
@@ -84,12 +83,19 @@ def process_line(d: dict[str, Any], top_n: int = 3) -> str | None:
     return ", ".join(parts) + (f", {more} more" if more > 0 else "")
 
 
+def alert_status(alert: dict[str, Any]) -> str:
+    """FIRING or RESOLVED; OOM for an episode that ended because the job died, not because
+    its forecast calmed down."""
+    status = str(alert.get("status", "?")).upper()
+    if status == "RESOLVED" and "ran out of memory" in str(alert.get("reason") or ""):
+        return "OOM"
+    return status
+
+
 def alert_line(alert: dict[str, Any]) -> str:
     """One alert of ``GET /v1/alerts``: when, what, where, and for a firing one its cause."""
     when = time.strftime("%H:%M:%S", time.localtime(alert.get("sent_at") or time.time()))
-    status = str(alert.get("status", "?")).upper()
-    if status == "RESOLVED" and "ran out of memory" in str(alert.get("reason") or ""):
-        status = "OOM"
+    status = alert_status(alert)
     line = f"{when} {status:8} {alert.get('node')}/{alert.get('device')} job={alert.get('job')}"
     if alert.get("status") == "firing":
         line += f" OOM in {_tto(alert.get('time_to_oom_s'))}"
@@ -112,8 +118,8 @@ def header(page: dict[str, Any], now: float | None = None) -> str:
 
 
 def render_lines(data: dict[str, Any], now: float | None = None) -> list[str]:
-    """The plain view: a header, a line per domain (and one of processes under a GPU that
-    names them), then the newest firing alerts."""
+    """The plain view: a header, then a line per domain (and one of processes under a GPU
+    that names them). The alerts are the caller's to print, each once."""
     page = data["page"]
     out = [header(page, now)]
     for d in page["devices"]:
@@ -174,13 +180,10 @@ def run(args: Any) -> int:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     client = httpx.Client(base_url=args.url, timeout=5.0, headers=headers)
     plain = args.plain or args.once or not sys.stdout.isatty()
-    size = shutil.get_terminal_size((80, 24))
-    # rows of the table that fit: a header, the column names, three alerts and their title
-    limit = args.limit or (1000 if plain else max(3, size.lines - 7))
     try:
         if plain:
-            return _plain(client, args, limit)
-        return _live(client, args, limit)
+            return _plain(client, args, args.limit or 1000)
+        return _live(client, args)
     except KeyboardInterrupt:
         return 0
     finally:
@@ -213,7 +216,7 @@ def _plain(client: Any, args: Any, limit: int) -> int:
         time.sleep(args.interval)
 
 
-def _live(client: Any, args: Any, limit: int) -> int:
+def _live(client: Any, args: Any) -> int:
     from rich.console import Console
     from rich.live import Live
     from rich.text import Text

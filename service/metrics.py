@@ -10,6 +10,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from oomcast.model.forecast import Forecast
 from oomcast.service.delivery.outbox import Health
 
+# A live domain's labels on its series. The training job is `job_name`: Prometheus gives
+# every scraped series the scrape job as `job`, and would rename a `job` of ours to
+# `exported_job`; for the same reason the service's scrape sets no `node` target label.
+DOMAIN_LABELS = ("node", "device", "kind", "job_name")
+
 
 class DomainRow(NamedTuple):
     """What the per-domain gauges show of one live domain."""
@@ -126,27 +131,24 @@ class Metrics:
             "oomcast_alerts_firing", "Live domains with at least one rule firing now", registry=r
         )
         # One series per live domain, riskiest first up to OOMCAST_METRICS_DOMAINS, set at
-        # each scrape and cleared before it (a domain that went away leaves no stale series).
-        # The domain's job is `job_name`: Prometheus gives every scraped series the scrape
-        # job as `job`, and would rename a `job` of ours to `exported_job`. For the same
-        # reason the service's scrape sets no `node` target label (deploy/prometheus/).
+        # each scrape and cleared before it (a domain that went away leaves no stale series)
         self.domain_risk = Gauge(
             "oomcast_domain_oom_risk",
             "Forecast probability that the domain runs out of memory within the horizon (seconds)",
-            ["node", "device", "kind", "job_name", "horizon"],
+            [*DOMAIN_LABELS, "horizon"],
             registry=r,
         )
         self.domain_tto = Gauge(
             "oomcast_domain_time_to_oom_seconds",
             "Forecast time to the domain's OOM; no series while none is in sight",
-            ["node", "device", "kind", "job_name"],
+            DOMAIN_LABELS,
             registry=r,
         )
         self.domain_used = Gauge(
             "oomcast_domain_memory_used_ratio",
             "Used memory as a share of the domain's capacity, in the sample the forecast was"
             " made from",
-            ["node", "device", "kind", "job_name"],
+            DOMAIN_LABELS,
             registry=r,
         )
         self.domains_left_out = Gauge(

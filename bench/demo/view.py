@@ -14,8 +14,7 @@ import httpx
 
 from oomcast.bench.demo.inbox import WebhookInbox
 from oomcast.bench.demo.summary import Oom
-
-GIB = 1 << 30
+from oomcast.cli.top import alert_status
 
 
 def emit(text: str) -> None:
@@ -31,19 +30,13 @@ def emit(text: str) -> None:
         print(text, flush=True)
 
 
-def _fmt_tto(t: float | None) -> str:
-    return "-" if t is None else f"{t:5.0f}s"
-
-
 def _alert_line(alert: dict[str, Any], signed: bool) -> str:
     when = time.strftime("%H:%M:%S", time.localtime(alert.get("sent_at") or time.time()))
     sig = "signature ok" if signed else "BAD SIGNATURE"
     firing = alert.get("status") == "firing"
     tto = alert.get("time_to_oom_s") if firing else None  # an ended episode forecasts nothing
     tto_s = "" if tto is None else f", OOM in ~{tto:.0f}s"
-    status = str(alert["status"]).upper()
-    if not firing and "ran out of memory" in str(alert.get("reason") or ""):
-        status = "OOM"  # the episode ended because the job died, not because it calmed down
+    status = alert_status(alert)
     line = (
         f"{when} {status:8} {alert['node']}/{alert['device']}"
         f" job={alert.get('job')}{tto_s} ({alert.get('reason')}; {sig})"

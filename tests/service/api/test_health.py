@@ -32,6 +32,18 @@ def domain(device: str, fracs: list[float]) -> list[dict[str, Any]]:
     ]
 
 
+def settings(redis_url: str, key_prefix: str, **kw: Any) -> Settings:
+    """A service on the test's Redis prefix, forecasting with a baseline."""
+    return Settings(
+        redis_url=redis_url,
+        key_prefix=key_prefix,
+        forecaster=BASELINE,
+        max_ts_skew_s=0,
+        consumer_name="health-test",
+        **kw,
+    )
+
+
 def gauge(text: str, name: str) -> float:
     match = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
     assert match, f"{name} not in /metrics"
@@ -39,13 +51,7 @@ def gauge(text: str, name: str) -> float:
 
 
 def test_the_fleet_gauges_count_domains_by_risk_and_firing(redis_url: str, key_prefix: str) -> None:
-    s = Settings(
-        redis_url=redis_url,
-        key_prefix=key_prefix,
-        forecaster=BASELINE,
-        max_ts_skew_s=0,
-        consumer_name="health-test",
-    )
+    s = settings(redis_url, key_prefix)
     hot = domain("gpu0", [0.2 + 0.01 * i for i in range(70)])  # 89% full, 1%/s: OOM in 11 s
     calm = domain("gpu1", [0.2] * 70)
     with TestClient(create_app(s)) as c:
@@ -73,14 +79,7 @@ def series(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
 def test_per_domain_gauges_show_the_forecast_of_the_riskiest_domains_only(
     redis_url: str, key_prefix: str
 ) -> None:
-    s = Settings(
-        redis_url=redis_url,
-        key_prefix=key_prefix,
-        forecaster=BASELINE,
-        max_ts_skew_s=0,
-        consumer_name="health-test",
-        metrics_domains=1,
-    )
+    s = settings(redis_url, key_prefix, metrics_domains=1)
     hot = domain("gpu0", [0.2 + 0.01 * i for i in range(70)])
     calm = domain("gpu1", [0.2] * 70)
     with TestClient(create_app(s)) as c:
@@ -108,14 +107,7 @@ def test_per_domain_gauges_show_the_forecast_of_the_riskiest_domains_only(
 
 
 def test_per_domain_series_go_when_their_domain_goes(redis_url: str, key_prefix: str) -> None:
-    s = Settings(
-        redis_url=redis_url,
-        key_prefix=key_prefix,
-        forecaster=BASELINE,
-        max_ts_skew_s=0,
-        consumer_name="health-test",
-        live_after_s=1.0,
-    )
+    s = settings(redis_url, key_prefix, live_after_s=1.0)
     with TestClient(create_app(s)) as c:
         assert c.post("/v1/samples", json={"samples": domain("gpu0", [0.3] * 5)}).status_code == 202
         assert wait_until(lambda: series(c.get("/metrics").text, "oomcast_domain_oom_risk"))

@@ -78,7 +78,23 @@ class DomainState:
     def summary(self, horizon_s: int) -> dict[str, Any]:
         s, f = self.last, self.forecast
         assert s is not None and f is not None
+        alert = self._alert_summary()
         why = diagnosis_of(self)
+        cause: str | None = why.cause if why else "unknown"
+        remedies = list(why.remedies) if why else []
+        evidence = why.evidence if why else None
+        thin = list(why.thin) if why else []
+        in_sight = alert["firing"] or f.time_to_oom_s is not None or self.phase_forecast is not None
+        if not in_sight:
+            # A cause answers "why is the OOM coming": with none in sight, naming one (a
+            # "leak" at 0.2% risk) reads as a diagnosis nobody should act on.
+            shape = (
+                f"; the recent use reads as: {evidence}" if why and why.cause != "unknown" else ""
+            )
+            cause, remedies, thin = None, [], []
+            evidence = (
+                f"no OOM in sight: risk {f.risk_at(horizon_s):.1%} within {horizon_s} s{shape}"
+            )
         return {
             "node": s.node,
             "device": s.device,
@@ -94,12 +110,12 @@ class DomainState:
             "model_version": f.model_version,
             "allocated_bytes": s.allocated_bytes,
             "reserved_bytes": s.reserved_bytes,
-            "cause": why.cause if why else "unknown",
-            "remedies": list(why.remedies) if why else [],
-            "evidence": why.evidence if why else None,
-            "cause_thin": list(why.thin) if why else [],
+            "cause": cause,
+            "remedies": remedies,
+            "evidence": evidence,
+            "cause_thin": thin,
             "phase": None if self.phase_forecast is None else self.phase_forecast.to_dict(),
-            "alert": self._alert_summary(),
+            "alert": alert,
             "samples_seen": self.samples_seen,
             "ooms_seen": self.ooms_seen,
             "last_oom_ts": self.last_oom_ts,

@@ -140,7 +140,7 @@ def sized(program: str, **fields: Any) -> Script:
     return Script(batch=size["batch"], seq=size.get("seq", 64), width=size["width"], **fields)
 
 
-def _rng(name: str) -> random.Random:
+def seeded_rng(name: str) -> random.Random:
     return random.Random(int(hashlib.sha256(name.encode()).hexdigest()[:12], 16))
 
 
@@ -186,7 +186,7 @@ def plan_run(
     name: str, program: str, kind: str, cause: str, cal: Calibration,
     cals: dict[str, Calibration],
 ) -> RunPlan:  # fmt: skip
-    rng = _rng(name)
+    rng = seeded_rng(name)
     level, peak = cal.level_bytes, max(cal.peak_bytes, cal.level_bytes)
     script = sized(
         program, duration_s=0.0, period_s=cal.period_s(), seed=rng.randrange(10**6),

@@ -79,10 +79,12 @@ class DeviceSummary(BaseModel):
     model_version: str
     allocated_bytes: int | None = Field(..., description="live tensor bytes (from the hook)")
     reserved_bytes: int | None = Field(..., description="caching-allocator reserved (hook)")
-    cause: str = Field(
+    cause: str | None = Field(
         ...,
-        description="why an OOM would come (docs/diagnosis.md): leak, growing_cache,"
-        " fragmentation, batch_growth, phase:eval (and other phases), neighbour or unknown",
+        description="why the OOM is coming (docs/diagnosis.md): leak, growing_cache,"
+        " fragmentation, batch_growth, phase:eval (and other phases), neighbour or unknown;"
+        " null while no OOM is in sight (no alert firing, no time to OOM, no phase that will"
+        " not fit), when `evidence` says so and `remedies` is empty",
     )
     remedies: list[str] = Field(..., description="what would fix it, as actions")
     evidence: str | None = Field(..., description="what the cause was read from")

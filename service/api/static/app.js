@@ -106,7 +106,8 @@ function causeBlock(obj) {
   const box = h("div", { class: "cause-body" });
   const cause = src.cause;
   if (cause === undefined || cause === null || cause === "") {
-    box.append(h("p", { class: "cause-none" }, "no cause computed"));
+    // a summary with no OOM in sight names no cause; its evidence says so (and the shape)
+    box.append(h("p", { class: "cause-none" }, typeof src.evidence === "string" && src.evidence ? src.evidence : "no cause computed"));
     return box;
   }
   const nested = typeof cause === "object" ? cause : {};

@@ -101,3 +101,25 @@ def test_an_episode_ends_saying_the_cause_it_fired_with() -> None:
     assert resolved[0].cause == "leak" and resolved[0].remedies == alert.remedies
     assert "ran out of memory" in (resolved[0].reason or "")
     assert st.told == {}  # forgotten once the episode ended
+
+
+def test_a_domain_with_no_oom_in_sight_names_no_cause() -> None:
+    """A container job's hook sends a slow, steady rise far below a roomy limit: the shipped
+    model sees no OOM coming, so /v1/devices names no cause and no remedy (a "leak" at 0.2%
+    risk would read as a diagnosis); the evidence says so and keeps the shape it read."""
+    fc = OnnxForecaster()
+    live = LiveState(fc, load_rules(DEFAULT_RULES, AlertPolicy(fc.rule.horizon_s, fc.rule.fire_risk,
+                     round(fc.rule.fire_risk / 2, 4), fc.rule.fire_after, 3)),
+                     horizon_s=fc.rule.horizon_s)  # fmt: skip
+    gib, mib = 1 << 30, 1 << 20
+    for i in range(180):
+        used = 2 * gib + i * 4 * mib
+        s = Sample(1000.0 + i, "n", "cg", "host", 24 * gib, used, allocated_bytes=used,
+                   job="cpu-job", step=i)  # fmt: skip
+        assert not live.apply([s], 1000.0 + i).alerts
+    [st] = live.domains.values()
+    summary = st.summary(fc.rule.horizon_s)
+    assert summary["alert_risk"] < fc.rule.fire_risk and summary["time_to_oom_s"] is None
+    assert summary["cause"] is None and summary["remedies"] == [] and summary["cause_thin"] == []
+    assert summary["evidence"].startswith("no OOM in sight: risk ")
+    assert "use rose steadily" in summary["evidence"]  # the shape, read as before

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import SecretStr
 from redis.asyncio.cluster import RedisCluster
 
 from oomcast.model.control import node_keys
@@ -33,7 +34,7 @@ from oomcast.service.cluster.leases import partition_owner
 from oomcast.service.cluster.snapshot import SnapshotStore
 from oomcast.service.context import Deliveries, ServiceContext
 from oomcast.service.delivery.alertmanager import AlertmanagerTarget
-from oomcast.service.delivery.outbox import Outbox
+from oomcast.service.delivery.outbox import Outbox, outbox_key
 from oomcast.service.delivery.webhook import WebhookTarget
 from oomcast.service.delivery.worker import DeliveryWorker, Target
 from oomcast.service.ingest import Ingestor
@@ -51,7 +52,16 @@ def build_deliveries(
     settings: Settings, keys: Keys, client: aioredis.Redis, metrics: Metrics
 ) -> Deliveries:
     """The outbox, the configured targets, and the worker that delivers what is owed."""
-    outbox = Outbox(client, keys, degraded_after_s=settings.delivery_degraded_after_s)
+
+    def value(secret: SecretStr | None) -> str | None:
+        return secret.get_secret_value() if secret else None
+
+    outbox = Outbox(
+        client,
+        keys,
+        degraded_after_s=settings.delivery_degraded_after_s,
+        key=outbox_key(value(settings.control_secret), value(settings.webhook_secret)),
+    )
     webhook = None
     if settings.webhook_url and settings.webhook_secret:
         webhook = WebhookTarget(settings.webhook_url, settings.webhook_secret.get_secret_value())

@@ -71,7 +71,8 @@ class Metrics:
         self.alerts = Counter("oomcast_alerts_total", "Alerts raised", ["status"], registry=r)
         # Deliveries to receivers (service/delivery/worker.py). result: delivered, retry (an attempt
         # failed and will be retried), refused, expired; for Alertmanager re-sends, resent
-        # and resend_expired.
+        # and resend_expired; forged: an item in the outbox the service did not stage (its
+        # seal failed), removed unsent.
         self.deliveries = Counter(
             "oomcast_deliveries_total",
             "Webhook and Alertmanager delivery outcomes",

@@ -29,6 +29,13 @@ time, oldest first; only a queue's head is ever due, so a "resolved" never goes 
 one script that also pushes their due time forward by the claim timeout, so two workers never
 hold one delivery at once, and the claims of a worker that died come back due by themselves.
 Staging is idempotent: an id already owed or already ended is not owed again.
+
+Sealed items: anyone who can write to Redis could stage an item, and the worker would sign
+it with the webhook secret and send it as the service's own. So with a key (derived from the
+service's control secret, or else its webhook secret: ``outbox_key``) every item is stored
+as ``sha256=<MAC> <JSON>`` from the moment it is staged, and an item taken from the outbox
+is sent only if its MAC verifies; one that does not is removed unsent and reported as
+``forged`` (counted, logged, audited with its id and nothing it claims).
 """
 
 from __future__ import annotations
@@ -42,11 +49,46 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
+from oomcast.model.signing import SIG_PREFIX, derive_key, sign, verify
 from oomcast.model.text import as_str, compact_json
 from oomcast.model.wire import Keys, answer_async
 
 DONE_KEPT_S = 2 * 86_400.0  # how long an ended id is remembered, at least
 TARGETS = ("webhook", "alertmanager")  # every kind of receiver deliveries may be owed to
+
+
+OUTBOX_KEY_CONTEXT = b"oomcast:outbox-items:v1"
+
+
+def outbox_key(control_secret: str | None, webhook_secret: str | None) -> str | None:
+    """The key outbox items are sealed with: derived from the control secret (which only
+    the service holds), else from the webhook secret; None when neither is set."""
+    secret = control_secret or webhook_secret
+    return derive_key(secret, OUTBOX_KEY_CONTEXT) if secret else None
+
+
+class ForgedItem(ValueError):
+    """An outbox item whose seal does not verify: it was not staged by this service."""
+
+
+def seal(item: str, key: str | None) -> str:
+    """An item as stored: ``sha256=<MAC> <JSON>`` under ``key``, or the JSON alone."""
+    return item if key is None else f"{sign(item.encode(), key)} {item}"
+
+
+def unseal(stored: bytes | str, key: str | None) -> str:
+    """The JSON of a stored item whose seal verifies under ``key``; ForgedItem otherwise.
+    With no key there is nothing to check: a sealed item's JSON is taken as it is."""
+    text = as_str(stored)
+    mac, sep, item = text.partition(" ")
+    sealed = bool(sep) and mac.startswith(SIG_PREFIX)
+    if key is None:
+        return item if sealed else text
+    if not sealed:
+        raise ForgedItem("no seal (staged by something other than the service)")
+    if not verify(item.encode(), mac, key):
+        raise ForgedItem("its seal does not verify under the service's key")
+    return item
 
 
 def delivery_id(record: Mapping[str, Any], target: str) -> str:
@@ -131,6 +173,16 @@ class Progress:
                 "last_error": self.last_error,
             }
         )
+
+
+@dataclass
+class Forged:
+    """An item taken from the outbox whose seal did not verify: never sent."""
+
+    id: str
+    target: str
+    order: str | None  # its order queue, as the item claims (to unblock it), if readable
+    why: str
 
 
 @dataclass
@@ -270,8 +322,10 @@ class Outbox:
         *,
         done_kept_s: float = DONE_KEPT_S,
         degraded_after_s: float = 60.0,
+        key: str | None = None,
     ) -> None:
         self.client = client
+        self.seal_key = key  # items are sealed with it, and sent only if their seal verifies
         self.base = f"{keys.prefix}:outbox:{{o}}"
         self.done_kept_s = done_kept_s
         self.degraded_after_s = degraded_after_s
@@ -314,7 +368,7 @@ class Outbox:
             keys += [self.queue(target, d.order) for d in items]
             args: list[Any] = [now, "1" if idle_only else "0"]
             for d in items:
-                args += [d.id, d.to_json(), d.created_at]
+                args += [d.id, seal(d.to_json(), self.seal_key), d.created_at]
             pipe.eval(STAGE, len(keys), *keys, *args)
 
     def wake(self) -> None:
@@ -332,9 +386,18 @@ class Outbox:
 
     # -- the worker's side --------------------------------------------------------------------
     async def claim(
-        self, target: str, now: float, *, claim_s: float, limit: int, worker: str
+        self,
+        target: str,
+        now: float,
+        *,
+        claim_s: float,
+        limit: int,
+        worker: str,
+        forged: list[Forged] | None = None,
     ) -> list[Claimed]:
-        """Take up to ``limit`` due deliveries of ``target`` for ``claim_s`` seconds."""
+        """Take up to ``limit`` due deliveries of ``target`` for ``claim_s`` seconds. Items
+        whose seal does not verify are not returned; they go to ``forged``, when given, for
+        the caller to remove (:meth:`discard`)."""
         if limit <= 0:
             return []
         token = f"{worker}:{uuid.uuid4().hex[:12]}"
@@ -347,10 +410,27 @@ class Outbox:
         )
         out = []
         for i in range(0, len(got), 3):
-            out.append(
-                Claimed(Delivery.from_json(got[i + 1]), Progress.from_json(got[i + 2]), token)
-            )
+            try:
+                delivery = Delivery.from_json(unseal(got[i + 1], self.seal_key))
+            except (ForgedItem, ValueError, KeyError, TypeError) as exc:
+                if forged is not None:
+                    forged.append(Forged(as_str(got[i]), target, _order_of(got[i + 1]), str(exc)))
+                continue
+            out.append(Claimed(delivery, Progress.from_json(got[i + 2]), token))
         return out
+
+    async def discard(self, item: Forged, now: float) -> bool:
+        """Remove an item that failed its seal, unsent, and make the next of its order
+        queue due (as :meth:`finish` does, without remembering its id as ended)."""
+        t = item.target
+        keys = [
+            self.key(t, k) for k in ("items", "meta", "claims", "due", "created", "failing", "done")
+        ]
+        keys.append(self.queue(t, item.order or ""))
+        done = await answer_async(
+            self.client.eval(FINISH, len(keys), *keys, item.id, now, self.done_kept_s, "0")
+        )
+        return bool(done)
 
     async def reschedule(
         self, claimed: Claimed, due_at: float, *, failed_at: float | None = None
@@ -422,3 +502,14 @@ class Outbox:
                 th.last_error = Progress.from_json(meta or "").last_error
             out.targets[target] = th
         return out
+
+
+def _order_of(stored: bytes | str) -> str | None:
+    """The order queue an item names, read without trusting it (only to unblock the queue)."""
+    text = as_str(stored)
+    try:
+        obj = json.loads(text.partition(" ")[2] if text.startswith(SIG_PREFIX) else text)
+        order = obj.get("order") if isinstance(obj, dict) else None
+    except ValueError:
+        return None
+    return order if isinstance(order, str) else None

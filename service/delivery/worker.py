@@ -34,7 +34,14 @@ import httpx
 from redis.exceptions import RedisError
 
 from oomcast.model.text import compact_json
-from oomcast.service.delivery.outbox import Claimed, Delivery, Health, Outbox, delivery_id
+from oomcast.service.delivery.outbox import (
+    Claimed,
+    Delivery,
+    Forged,
+    Health,
+    Outbox,
+    delivery_id,
+)
 
 log = logging.getLogger(__name__)
 
@@ -195,9 +202,17 @@ class DeliveryWorker:
                     free = self.concurrency - self._busy(name)
                     if free <= 0:
                         continue
+                    forged: list[Forged] = []
                     got = await self.outbox.claim(
-                        name, now, claim_s=self.claim_s, limit=free, worker=self.worker
+                        name,
+                        now,
+                        claim_s=self.claim_s,
+                        limit=free,
+                        worker=self.worker,
+                        forged=forged,
                     )
+                    for item in forged:
+                        await self._refuse_forged(item, now)
                     for claimed in got:
                         task = asyncio.create_task(self._attempt(claimed))
                         self._inflight[task] = claimed
@@ -219,6 +234,33 @@ class DeliveryWorker:
                 log.exception("delivery loop failed; going on in %.1fs", backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(5.0, backoff * 2)
+
+    async def _refuse_forged(self, item: Forged, now: float) -> None:
+        """An item in the outbox the service did not stage (its seal fails): removed unsent,
+        counted, logged and audited by id alone (nothing it claims is repeated)."""
+        if not await self.outbox.discard(item, now):
+            return
+        log.error(
+            "%s outbox item %r was not staged by this service (%s): removed, not sent",
+            item.target,
+            item.id[:200],
+            item.why,
+        )
+        self._on_outcome(item.target, "forged")
+        record = {
+            "record": "delivery",
+            "delivery_id": item.id[:200],
+            "target": item.target,
+            "outcome": "forged",
+            "why": item.why,
+            "ended_at": now,
+        }
+        await self.outbox.client.xadd(
+            self.audit_stream,
+            {"alert": compact_json(record)},
+            maxlen=self.audit_maxlen,
+            approximate=True,
+        )
 
     def _busy(self, target: str) -> int:
         return sum(1 for c in self._inflight.values() if c.delivery.target == target)

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from oomcast.model.forecast import Embedding as ForecastEmbedding
@@ -230,7 +230,11 @@ def decode_event_entries(
 ) -> Decoded:
     """Step 1 for the events stream: the events of the nodes this replica owns. An event
     stamped too far from its arrival is dead-lettered like a sample: an ``oom`` at
-    ts=1e300 would otherwise make every later sample of its domain "late"."""
+    ts=1e300 would otherwise make every later sample of its domain "late". An ``oom``
+    stamped after its arrival (within the skew allowed) is taken as of its arrival: a job
+    cannot have died after the news of it reached Redis, and samples stamped up to a
+    future ``ts`` would all be dropped as the dead job's (an ``oom`` at now + 295 s hid a
+    domain for 295 s)."""
     out = Decoded()
     now = int(time.time() * 1000) if now_ms is None else now_ms
     for entry_id, fields in entries:
@@ -241,10 +245,13 @@ def decode_event_entries(
         except Exception as exc:  # any undecodable entry, not only the foreseen ones
             out.deadletters.append(deadletter(stream, entry_id, fields, _reason(exc)))
             continue
-        why = _skew_problem(event.ts, arrival_ms(as_str(entry_id), now) / 1000, max_skew_s)
+        arrived = arrival_ms(as_str(entry_id), now) / 1000
+        why = _skew_problem(event.ts, arrived, max_skew_s)
         if why is not None:
             out.deadletters.append(deadletter(stream, entry_id, fields, why, "ts_skew"))
             continue
+        if event.event == "oom" and event.ts > arrived:
+            event = replace(event, ts=arrived)
         if keys.partition_of(event.node) in partitions:  # else another replica's node
             out.events.append((event, fields))
     return out

@@ -229,6 +229,42 @@ def test_an_event_far_from_its_arrival_is_dead_lettered() -> None:
     assert [dl["code"] for dl in out.deadletters] == ["ts_skew"]
 
 
+def test_an_oom_stamped_after_its_arrival_blinds_its_domain_to_nothing_after_it() -> None:
+    """The reported attack: one XADD of an ``oom`` for another node's domain, stamped
+    now + 295 s (inside the skew allowed), made the domain drop its real samples as the dead
+    job's for 295 s. The event is taken as of its arrival; the samples after it count."""
+    from oomcast.model.schema import Event
+    from oomcast.model.wire import encode_event
+    from oomcast.service.pipeline.decode import decode_event_entries
+
+    keys = Keys("t", 1)
+    forged = encode_event(Event(ts=NOW + 295, node="n1", device="gpu0", event="oom"))
+    eid = f"{int(NOW * 1000)}-0"
+    out = decode_event_entries(keys.events, [(eid, forged)], keys, [0], max_skew_s=300,
+                               now_ms=NOW_MS)  # fmt: skip
+    [(event, _)] = out.events
+    assert event.ts == NOW and not out.deadletters
+    state = live()
+    state.apply([sample(NOW - 1, 0.5)], NOW)
+    state.on_event(event, NOW + 0.5)
+    late = sum(state.apply([sample(NOW + i, 0.5)], NOW + i).late for i in range(1, 11))
+    assert late == 0 and state.domains[("n1", "gpu0")].samples_seen == 11
+    # an OOM stamped before its arrival keeps its time: the dead job's samples read after
+    # the event are still dropped
+    real = encode_event(Event(ts=NOW + 20, node="n1", device="gpu0", event="oom"))
+    [(event, _)] = decode_event_entries(
+        keys.events,
+        [(f"{int((NOW + 21) * 1000)}-0", real)],
+        keys,
+        [0],
+        max_skew_s=300,
+        now_ms=NOW_MS + 21_000,
+    ).events
+    assert event.ts == NOW + 20  # fmt: skip
+    state.on_event(event, NOW + 21)
+    assert state.apply([sample(NOW + 19, 0.5)], NOW + 21.5).late == 1
+
+
 def test_old_samples_read_again_never_reset_a_domain() -> None:
     """After a takeover the new owner re-reads a batch older than the history its snapshot
     kept: those samples are refused as out of order, and the domain keeps its state."""

@@ -157,7 +157,10 @@ def render(doc: dict[str, Any]) -> str:
     )
     schemas = doc.get("components", {}).get("schemas", {})
     return (
-        f"<!doctype html><html lang=en><head><meta charset=utf-8><title>{_e(info.get('title'))}"
+        "<!doctype html><html lang=en><head><meta charset=utf-8>"
+        # an empty icon: otherwise the browser asks for /favicon.ico, a 404 in its console
+        '<link rel=icon href="data:,">'
+        f"<title>{_e(info.get('title'))}"
         f" API</title><style>{STYLE}</style></head><body><h1>{_e(info.get('title'))} API"
         f" {_e(info.get('version', ''))}</h1><p>{_md(info.get('summary', ''))} The OpenAPI"
         ' document: <a href="/openapi.json">/openapi.json</a>.</p>'

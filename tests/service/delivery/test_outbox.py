@@ -21,7 +21,15 @@ from fastapi.testclient import TestClient
 from support import GIB, WebhookReceiver, free_port, wait_until
 
 from oomcast.model.wire import Keys
-from oomcast.service.delivery.outbox import Delivery, Outbox, delivery_id
+from oomcast.service.delivery.outbox import (
+    Delivery,
+    ForgedItem,
+    Outbox,
+    delivery_id,
+    outbox_key,
+    seal,
+    unseal,
+)
 from oomcast.service.delivery.webhook import SIGNATURE_HEADER, WebhookTarget, sign_body
 from oomcast.service.delivery.worker import DELIVERY_HEADER, DeliveryWorker, new_delivery
 from oomcast.service.main import create_app
@@ -54,7 +62,12 @@ async def worker(
     redis_url: str, prefix: str, url: str, **kw: Any
 ) -> AsyncIterator[tuple[Outbox, WebhookTarget, DeliveryWorker, list[tuple[str, str]]]]:
     client = aioredis.from_url(redis_url)
-    outbox = Outbox(client, Keys(prefix), degraded_after_s=kw.pop("degraded_after_s", 60.0))
+    outbox = Outbox(
+        client,
+        Keys(prefix),
+        degraded_after_s=kw.pop("degraded_after_s", 60.0),
+        key=kw.pop("key", None),
+    )
     target = WebhookTarget(url, SECRET)
     outcomes: list[tuple[str, str]] = []
     w = DeliveryWorker(
@@ -237,10 +250,14 @@ def test_two_workers_on_one_outbox_never_post_the_same_delivery_twice(
     webhook_receiver.statuses = [503, 200] * 20  # failures too, so both retry and interleave
 
     async def go() -> tuple[list[Delivery], list[tuple[str, str]], list[tuple[str, str]]]:
+        # roomy deadlines: a claim that ran out because the machine was busy, not because
+        # a worker died, would let the other worker post it again (at least once, by design)
+        roomy = {"timeout_s": 5.0, "claim_s": 30.0}
         async with (
-            worker(redis_url, key_prefix, webhook_receiver.url) as (outbox, target, _, one),
-            worker(redis_url, key_prefix, webhook_receiver.url) as (_, _t, _w, two),
+            worker(redis_url, key_prefix, webhook_receiver.url, **roomy) as (o, t, _, one),
+            worker(redis_url, key_prefix, webhook_receiver.url, **roomy) as (_, _t, _w, two),
         ):
+            outbox, target = o, t
             ds = await owe(outbox, target, *(alert(f"gpu{i}") for i in range(60)))
             assert await until(lambda: len(taken(webhook_receiver)) == 60)
             assert await until(lambda: owed(rclient, key_prefix) == 0)
@@ -421,6 +438,9 @@ def test_an_alert_owed_while_the_receiver_is_down_survives_a_restart_of_the_serv
         assert wait_until(lambda: any(a.get("status") == "firing" for a in audit(c)))
         firing = next(a for a in audit(c) if a.get("status") == "firing" and "record" not in a)
         assert firing["dispatched"]["webhook"] == "owed"  # not "queued": it is in the outbox
+        # sealed from the moment it is staged, with the key the webhook secret gives
+        [stored] = rclient.hvals(f"{key_prefix}:outbox:{{o}}:webhook:items")
+        assert json.loads(unseal(stored, outbox_key(None, SECRET)))["id"]
         # owed, failing, and said so, while the service stays ready (it still ingests)
         assert wait_until(lambda: c.get("/readyz").json()["deliveries"]["status"] == "degraded")
         ready = c.get("/readyz")
@@ -454,3 +474,85 @@ def test_an_alert_owed_while_the_receiver_is_down_survives_a_restart_of_the_serv
     finally:
         receiver.close()
     assert len(receiver.requests) == 1
+
+
+ITEM_KEY = outbox_key("control-secret", SECRET)
+
+
+def stage_raw(client: redis.Redis, prefix: str, did: str, stored: str, order: str) -> None:
+    """Stage an item as someone with write access to Redis could: past the service."""
+    base = f"{prefix}:outbox:{{o}}:webhook"
+    client.hset(f"{base}:items", did, stored)
+    client.zadd(f"{base}:created", {did: time.time()})
+    client.zadd(f"{base}:q:{order}", {did: 0})
+    client.zadd(f"{base}:due", {did: 0})
+
+
+def test_a_seal_is_checked_and_names_what_is_wrong() -> None:
+    item = '{"id":"x"}'
+    assert unseal(seal(item, ITEM_KEY), ITEM_KEY) == item
+    assert unseal(seal(item, None), None) == item
+    assert unseal(seal(item, ITEM_KEY), None) == item  # no key here: nothing to check
+    with pytest.raises(ForgedItem, match="no seal"):
+        unseal(item, ITEM_KEY)
+    with pytest.raises(ForgedItem, match="does not verify"):
+        unseal(seal(item, outbox_key("another", None)), ITEM_KEY)
+    with pytest.raises(ForgedItem, match="does not verify"):
+        unseal(seal(item, ITEM_KEY).replace('"x"', '"y"'), ITEM_KEY)
+    assert outbox_key(None, None) is None
+    assert outbox_key("c", "w") == outbox_key("c", None) != outbox_key(None, "w")
+
+
+@pytest.mark.slow  # about 1 s
+def test_items_staged_past_the_service_are_never_signed_or_sent_and_are_counted(
+    redis_url: str, key_prefix: str, rclient: redis.Redis
+) -> None:
+    """The reported attack: items written straight into the outbox (a made-up alert, a
+    resolve for a real episode, a real item with its severity changed, one sealed with
+    another key) were delivered with a valid signature. Now each is removed unsent, counted
+    and audited by id; the real alerts queued behind them on the same domain still go."""
+    receiver = WebhookReceiver()
+
+    async def go() -> tuple[list[Delivery], list[tuple[str, str]]]:
+        async with worker(redis_url, key_prefix, receiver.url, key=ITEM_KEY) as (
+            outbox,
+            target,
+            w,
+            outcomes,
+        ):
+            await w.stop(grace_s=0.1)  # stage everything first, then let one worker run
+            t0 = time.time()
+            real = new_delivery(target, alert("gpu0", observed_at=t0), t0)
+            fake = new_delivery(target, alert("gpu9", observed_at=t0, severity="critical"), t0)
+            resolve = new_delivery(target, alert("gpu0", status="resolved", observed_at=t0), t0)
+            tampered = json.loads(real.to_json())
+            tampered["payload"]["severity"] = "critical"
+            stage_raw(rclient, key_prefix, fake.id, fake.to_json(), fake.order)
+            stage_raw(rclient, key_prefix, resolve.id, resolve.to_json(), resolve.order)
+            stage_raw(rclient, key_prefix, "tampered", seal(json.dumps(tampered), "k"),
+                      real.order)  # fmt: skip
+            other = Delivery(**{**real.__dict__, "id": "other-key"})
+            stage_raw(rclient, key_prefix, other.id, seal(other.to_json(), outbox_key("x", None)),
+                      other.order)  # fmt: skip
+            later = new_delivery(target, alert("gpu0", observed_at=t0 + 1), t0 + 1)
+            await outbox.put([real, later], time.time())  # queued behind the forged ones
+            await w.start()
+            assert await until(lambda: outcomes.count(("webhook", "forged")) == 4)
+            assert await until(lambda: len(taken(receiver)) == 2)
+            assert await until(lambda: owed(rclient, key_prefix) == 0)
+            return [real, later], outcomes
+
+    try:
+        sent, outcomes = asyncio.run(go())
+        assert taken(receiver) == Counter({d.id: 1 for d in sent})  # only the real ones
+        for req in receiver.requests:
+            assert req["headers"][SIGNATURE_HEADER] == sign_body(req["body"], SECRET)
+            assert json.loads(req["body"])["device"] == "gpu0"
+            assert "severity" not in json.loads(req["body"])
+        forged = [r for r in delivery_records(rclient, key_prefix) if r["outcome"] == "forged"]
+        assert len(forged) == 4 and all("node" not in r for r in forged)
+        assert all(r["outcome"] == "delivered" for r in delivery_records(rclient, key_prefix)
+                   if r not in forged)  # fmt: skip
+        assert outcomes.count(("webhook", "delivered")) == 2
+    finally:
+        receiver.close()

@@ -37,3 +37,13 @@ def derive_key(secret: str, context: bytes) -> str:
     if not context:
         raise ValueError("a key derivation needs a non-empty context")
     return hmac.new(_key(secret), context, hashlib.sha256).hexdigest()
+
+
+def service_key(
+    control_secret: str | None, webhook_secret: str | None, context: bytes
+) -> str | None:
+    """The key the service seals what only it may write back to Redis (outbox items, state
+    snapshots) with, one per ``context``: derived from the control secret, else from the
+    webhook secret; None when the service has neither. Every replica derives the same."""
+    secret = control_secret or webhook_secret
+    return derive_key(secret, context) if secret else None

@@ -225,13 +225,15 @@ class Ingestor:
             p = min(self._to_take)
             self._to_take.discard(p)
             restored = await self.ownership.restore(p)
+            if restored.forged:
+                self.metrics.snapshots_refused.labels(reason="forged").inc(restored.forged)
             stream = self.keys.samples(p)
             await self._create_group(stream, self.group, "0")
             claimed = await self._claim(stream, 0)  # the lease says their reader has stopped
             log.info(
                 "partition %d is ours: %d domains restored, %d pending entries claimed",
                 p,
-                restored,
+                len(restored.states),
                 claimed,
             )
         self.metrics.partitions_owned.set(len(self.partitions))

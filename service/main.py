@@ -31,7 +31,7 @@ from oomcast.service.api.routes import (
     samples,
 )
 from oomcast.service.cluster.leases import partition_owner
-from oomcast.service.cluster.snapshot import SnapshotStore
+from oomcast.service.cluster.snapshot import SnapshotStore, snapshot_key
 from oomcast.service.context import Deliveries, ServiceContext
 from oomcast.service.delivery.alertmanager import AlertmanagerTarget
 from oomcast.service.delivery.outbox import Outbox, outbox_key
@@ -48,19 +48,25 @@ from oomcast.service.settings import Settings
 log = logging.getLogger("oomcast.service")
 
 
+def _secrets(settings: Settings) -> tuple[str | None, str | None]:
+    """The control and webhook secrets, as plain strings (None where unset): what the keys
+    the service seals its own Redis writes with are derived from."""
+
+    def plain(secret: SecretStr | None) -> str | None:
+        return secret.get_secret_value() if secret else None
+
+    return plain(settings.control_secret), plain(settings.webhook_secret)
+
+
 def build_deliveries(
     settings: Settings, keys: Keys, client: aioredis.Redis, metrics: Metrics
 ) -> Deliveries:
     """The outbox, the configured targets, and the worker that delivers what is owed."""
-
-    def value(secret: SecretStr | None) -> str | None:
-        return secret.get_secret_value() if secret else None
-
     outbox = Outbox(
         client,
         keys,
         degraded_after_s=settings.delivery_degraded_after_s,
-        key=outbox_key(value(settings.control_secret), value(settings.webhook_secret)),
+        key=outbox_key(*_secrets(settings)),
     )
     webhook = None
     if settings.webhook_url and settings.webhook_secret:
@@ -165,7 +171,11 @@ def build_context(settings: Settings) -> ServiceContext:
         key_for_node=node_keys(secret) if secret else None,
         # partition leases unless OOMCAST_PARTITIONS_OWNED fixes them; state hand-over
         owner=partition_owner(settings, client),
-        snapshots=SnapshotStore(client, keys.prefix),
+        snapshots=SnapshotStore(
+            client,
+            keys.prefix,
+            seal_key=snapshot_key(*_secrets(settings)),
+        ),
         snapshot_every_s=settings.snapshot_every_s,
         snapshot_history=settings.snapshot_history,
         dispatcher=dispatcher,

@@ -79,6 +79,14 @@ class Metrics:
             ["target", "result"],
             registry=r,
         )
+        # Snapshots a replica would not restore because their seal failed (written into
+        # Redis by someone other than the service): reason forged.
+        self.snapshots_refused = Counter(
+            "oomcast_snapshots_refused_total",
+            "Domain snapshots not restored because their seal did not verify",
+            ["reason"],
+            registry=r,
+        )
         self.deliveries_owed = Gauge(
             "oomcast_deliveries_owed",
             "Deliveries in the outbox, not yet delivered or given up",

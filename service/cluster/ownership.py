@@ -29,7 +29,7 @@ from typing import Any
 from oomcast.model.schema import Domain
 from oomcast.model.wire import Keys
 from oomcast.service.cluster.leases import LeaseChange, PartitionOwner
-from oomcast.service.cluster.snapshot import SnapshotSchedule, SnapshotStore
+from oomcast.service.cluster.snapshot import Restored, SnapshotSchedule, SnapshotStore
 from oomcast.service.pipeline.rules import Alert
 from oomcast.service.pipeline.state import LiveState
 
@@ -157,11 +157,11 @@ class Ownership:
             self.on_forget(set(domains))
         log.info("partitions %s are no longer ours: %d domains handed on", lost, len(domains))
 
-    async def restore(self, partition: int) -> int:
-        """Install the partition's snapshots; the number of domains restored. Their firing
-        episodes go to ``on_restore`` (Alertmanager must keep hearing of them)."""
+    async def restore(self, partition: int) -> Restored:
+        """Install the partition's snapshots: what was restored, and what was not. Their
+        firing episodes go to ``on_restore`` (Alertmanager must keep hearing of them)."""
         if self.store is None:
-            return 0
+            return Restored()
         restored = await self.store.restore(self.live, partition)
         if self.on_restore is not None:
             self.on_restore(self.live.firing([st.domain for st in restored.states], time.time()))
@@ -171,7 +171,7 @@ class Ownership:
                 partition,
                 restored.ignored,
             )
-        return len(restored.states)
+        return restored
 
     def snapshots_for(self, touched: Iterable[Domain], urgent: Iterable[Domain]) -> Snapshots:
         out = Snapshots()

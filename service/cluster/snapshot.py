@@ -18,6 +18,15 @@ counters still hold, so a rolling upgrade neither pages twice nor leaves an epis
 audit records, before the entries are acknowledged; with the writer's lease token the
 write is fenced (a script writes only while the partition's lease holds that token), so a
 replica that lost its lease cannot overwrite its successor's state.
+
+Anyone who can write to Redis could write a blob too (a chosen LSTM state once made a flat
+40% line read as an OOM, and a shed followed). With a key (derived from the service's
+control secret, else its webhook secret: ``snapshot_key``) each blob is sealed when staged,
+``sha256=<MAC>\n<blob>``, the MAC binding the blob to its partition and field; a blob whose
+seal fails is not restored (its domain starts cold) and is counted. A restored blob whose
+times lie ahead of the clock (past ``max_future_s``) is not restored either. And a restored
+state is a warm start, not evidence: the domain's node actions wait until this replica has
+applied its own attested samples for ``RESTORED_PROBATION_S`` (``LiveState.why_unattested``).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import binascii
 import json
 import logging
 import math
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -40,6 +50,7 @@ from oomcast.model.embedding import EMBEDDING_VERSION, sample_dict
 from oomcast.model.forecast import Forecast, Forecaster, export_state, import_state
 from oomcast.model.phase import PhaseState
 from oomcast.model.schema import Domain, parse_sample
+from oomcast.model.signing import SIG_PREFIX, service_key, sign, verify
 from oomcast.model.text import compact_json
 from oomcast.service.cluster.leases import lease_key
 from oomcast.service.pipeline.history import History
@@ -79,8 +90,47 @@ def _scalar_fields() -> dict[str, tuple[type, ...]]:
 SCALAR_FIELDS = _scalar_fields()
 
 
+SNAPSHOT_KEY_CONTEXT = b"oomcast:snapshots:v1"
+MAX_FUTURE_S = 300.0  # how far ahead of the clock a restored time may lie (the ts skew)
+
+
 class SnapshotError(ValueError):
     """A blob that cannot be restored; the domain starts cold."""
+
+
+class ForgedSnapshot(SnapshotError):
+    """A blob whose seal is missing or does not verify: not written by the service."""
+
+
+def snapshot_key(control_secret: str | None, webhook_secret: str | None) -> str | None:
+    """The key snapshot blobs are sealed with (None: the service has no secret)."""
+    return service_key(control_secret, webhook_secret, SNAPSHOT_KEY_CONTEXT)
+
+
+def _sealed_bytes(partition: int, name: str, blob: bytes) -> bytes:
+    return b"%d\n%s\n" % (partition, name.encode()) + blob
+
+
+def seal(blob: bytes, key: str | None, partition: int, name: str) -> bytes:
+    """``blob`` as stored: ``sha256=<MAC>\n`` ahead of it, the MAC over the partition, the
+    field name and the blob (a sealed blob moved to another domain does not verify)."""
+    if key is None:
+        return blob
+    return sign(_sealed_bytes(partition, name, blob), key).encode() + b"\n" + blob
+
+
+def unseal(stored: bytes, key: str | None, partition: int, name: str) -> bytes:
+    """The blob of a stored value whose seal verifies; ForgedSnapshot otherwise. With no
+    key there is nothing to check: a sealed value's blob is taken as it is."""
+    head, sep, blob = bytes(stored).partition(b"\n")
+    sealed = bool(sep) and head.startswith(SIG_PREFIX.encode())
+    if key is None:
+        return blob if sealed else bytes(stored)
+    if not sealed:
+        raise ForgedSnapshot("no seal: not written by the service")
+    if not verify(_sealed_bytes(partition, name, blob), head, key):
+        raise ForgedSnapshot("its seal does not verify under the service's key")
+    return blob
 
 
 def encode(
@@ -216,10 +266,13 @@ def decode(
     rule_names: Iterable[str],
     *,
     history_len: int,
+    now: float | None = None,
+    max_future_s: float = MAX_FUTURE_S,
 ) -> DomainState | None:
     """The domain state ``blob`` holds, with a forecaster state of ``forecaster`` (a fresh
     one when the blob was made by another model), or None, with a warning, when the blob
-    cannot be restored (the domain then starts cold)."""
+    cannot be restored (the domain then starts cold). With ``now``, a blob holding a time
+    more than ``max_future_s`` ahead of it is not restored."""
     try:
         body = _body(blob)
         domain = _domain(body)
@@ -227,7 +280,10 @@ def decode(
         log.warning("ignoring a snapshot (%s); its domain starts cold", exc)
         return None
     try:
-        return _restore(body, domain, forecaster, set(rule_names), history_len)
+        st = _restore(body, domain, forecaster, set(rule_names), history_len)
+        if now is not None:
+            _check_times(st, now + max_future_s)
+        return st
     except Exception as exc:  # whatever a damaged blob trips over: a cold start, not a crash
         why = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         log.warning("ignoring the snapshot of %s/%s (%s); the domain starts cold", *domain, why)
@@ -275,6 +331,20 @@ def _restore(
     return st
 
 
+TIMES = ("last_oom_ts", "last_seen_wall", "attested_at", "unattested_at", "behind_ts")
+
+
+def _check_times(st: DomainState, latest: float) -> None:
+    """SnapshotError when a time the state holds lies after ``latest``: a ``last_oom_ts``
+    of 1e12 would make the domain drop every real sample as late, for ever."""
+    times = {name: getattr(st, name) for name in TIMES}
+    times["last.ts"] = None if st.last is None else st.last.ts
+    times["forecast.observed_at"] = None if st.forecast is None else st.forecast.observed_at
+    for name, value in times.items():
+        if value is not None and value > latest:
+            raise SnapshotError(f"its {name} {value!r} lies ahead of the clock")
+
+
 # --- Redis ------------------------------------------------------------------------------
 
 # HSET (and refresh the TTL) only while the partition's lease holds the writer's token. KEYS:
@@ -305,6 +375,7 @@ class Restored:
 
     states: list[DomainState] = field(default_factory=list)
     ignored: int = 0  # blobs that could not be restored (their domains start cold)
+    forged: int = 0  # of those, blobs whose seal failed
 
 
 @dataclass
@@ -315,6 +386,7 @@ class SnapshotStore:
     client: aioredis.Redis
     prefix: str
     ttl_s: float = 86_400.0
+    seal_key: str | None = None  # blobs are sealed with it, restored only if the seal holds
 
     def key(self, partition: int) -> str:
         return f"{self.prefix}:snapshot:{{{partition}}}"
@@ -331,7 +403,10 @@ class SnapshotStore:
         executed by the caller); returns the number of commands queued, so the caller can
         find their replies (with a token, each reply is 1 if written, 0 if the lease was not
         ours). Without a token (fixed partitions) the write is plain."""
-        pairs = [(field_of(d), blob) for d, blob in items.items()]
+        pairs = []
+        for d, blob in items.items():
+            name = field_of(d)
+            pairs.append((name, seal(blob, self.seal_key, partition, name)))
         ttl_ms = max(1, round(self.ttl_s * 1000))
         key = self.key(partition)
         queued = 0
@@ -379,26 +454,40 @@ class SnapshotStore:
             queued += 1
         return queued
 
-    async def load(self, partition: int) -> list[bytes]:
-        """Every blob of ``partition`` (scanned, so a big hash does not block Redis)."""
-        out: list[bytes] = []
-        async for _, value in self.client.hscan_iter(self.key(partition), count=CHUNK):
+    async def load(self, partition: int) -> list[tuple[str, bytes]]:
+        """Every (field, stored value) of ``partition`` (scanned, so a big hash does not
+        block Redis)."""
+        out: list[tuple[str, bytes]] = []
+        async for name, value in self.client.hscan_iter(self.key(partition), count=CHUNK):
             if not isinstance(value, bytes):
                 raise TypeError(
                     "SnapshotStore needs a Redis client with decode_responses=False: blobs"
                     " are binary"
                 )
-            out.append(value)
+            out.append((name.decode("utf-8", "replace"), value))
         return out
 
     async def restore(self, live: LiveState, partition: int) -> Restored:
         """Load ``partition``'s blobs into ``live`` (a LiveState), replacing what it held of
         those domains. Call it when the partition's lease is acquired, before reading."""
         out = Restored()
-        for i, blob in enumerate(await self.load(partition)):
+        for i, (name, stored) in enumerate(await self.load(partition)):
             if i and i % RESTORE_CHUNK == 0:
                 await asyncio.sleep(0)  # a few hundred µs a domain: let requests in between
-            st = live.restore(blob)
+            try:
+                blob = unseal(stored, self.seal_key, partition, name)
+            except ForgedSnapshot as exc:
+                log.error(
+                    "the snapshot of %s in partition %d was not written by this service (%s):"
+                    " not restored, its domain starts cold",
+                    name[:200],
+                    partition,
+                    exc,
+                )
+                out.ignored += 1
+                out.forged += 1
+                continue
+            st = live.restore(blob, time.time())
             if st is None:
                 out.ignored += 1
             else:

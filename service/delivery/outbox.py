@@ -49,7 +49,7 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from oomcast.model.signing import SIG_PREFIX, derive_key, sign, verify
+from oomcast.model.signing import SIG_PREFIX, service_key, sign, verify
 from oomcast.model.text import as_str, compact_json
 from oomcast.model.wire import Keys, answer_async
 
@@ -63,8 +63,7 @@ OUTBOX_KEY_CONTEXT = b"oomcast:outbox-items:v1"
 def outbox_key(control_secret: str | None, webhook_secret: str | None) -> str | None:
     """The key outbox items are sealed with: derived from the control secret (which only
     the service holds), else from the webhook secret; None when neither is set."""
-    secret = control_secret or webhook_secret
-    return derive_key(secret, OUTBOX_KEY_CONTEXT) if secret else None
+    return service_key(control_secret, webhook_secret, OUTBOX_KEY_CONTEXT)
 
 
 class ForgedItem(ValueError):

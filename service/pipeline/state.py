@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
@@ -74,6 +75,9 @@ class DomainState:
     # fires on a forecast, nothing of the domain's rules can change, and they are skipped
     # (``LiveState._apply_round``). Episodes only leave that state through ``advance``.
     quiet: bool = False
+    # When this replica restored the domain from a snapshot (wall time): a warm start, not
+    # evidence; node actions wait RESTORED_PROBATION_S of this replica's own samples.
+    restored_at: float | None = None
 
     def summary(self, horizon_s: int) -> dict[str, Any]:
         s, f = self.last, self.forecast
@@ -188,6 +192,9 @@ def tune_gc() -> None:
     gc.set_threshold(50_000, 20, 100)
 
 
+# How long a domain restored from a snapshot takes this replica's own samples before its
+# forecasts count as evidence for node actions (alerts and webhooks do not wait).
+RESTORED_PROBATION_S = 60.0
 TRIM_AFTER = 1000  # domains dropped at once before the process hands freed memory back
 
 
@@ -433,6 +440,12 @@ class LiveState:
                 "the forecast rests on a sample not signed by the domain's own node (sent"
                 " over HTTP, or unsigned): no destructive action"
             )
+        if st.restored_at is not None and now - st.restored_at < RESTORED_PROBATION_S:
+            return (
+                f"the domain's state was restored from a snapshot {now - st.restored_at:.0f}s"
+                " ago: a warm start, not evidence; node actions wait for"
+                f" {RESTORED_PROBATION_S:g}s of this replica's own signed samples"
+            )
         if st.unattested_at is not None and now - st.unattested_at <= self.attest_window_s:
             return (
                 f"the domain had unsigned samples {now - st.unattested_at:.0f}s ago (within"
@@ -646,17 +659,23 @@ class LiveState:
         points = snapshot.HISTORY_POINTS if history_points is None else history_points
         return snapshot.encode(self.domains[domain], self.forecaster, history_points=points)
 
-    def restore(self, blob: bytes) -> DomainState | None:
+    def restore(self, blob: bytes, now: float | None = None) -> DomainState | None:
         """Install the domain state ``blob`` holds (replacing this replica's own copy of it,
         which a replica that just acquired the partition must not trust); None, with a
         warning, when the blob cannot be restored: the domain then starts cold."""
         from oomcast.service.cluster import snapshot
 
+        now = time.time() if now is None else now
         st = snapshot.decode(
-            blob, self.forecaster, [r.name for r in self.rules], history_len=self.history_len
+            blob,
+            self.forecaster,
+            [r.name for r in self.rules],
+            history_len=self.history_len,
+            now=now,
         )
         if st is None:
             return None
+        st.restored_at = now
         self._drop(st.domain)
         self._hold(st)
         return st

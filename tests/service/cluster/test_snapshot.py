@@ -23,10 +23,20 @@ from oomcast.model.forecast import Forecast, Forecaster
 from oomcast.model.runtime import DEFAULT_MODEL, OnnxForecaster
 from oomcast.model.schema import Event, Sample
 from oomcast.service.cluster.leases import PartitionLeases
-from oomcast.service.cluster.snapshot import MAGIC, SnapshotSchedule, SnapshotStore
+from oomcast.service.cluster.snapshot import (
+    MAGIC,
+    ForgedSnapshot,
+    Restored,
+    SnapshotSchedule,
+    SnapshotStore,
+    field_of,
+    seal,
+    snapshot_key,
+    unseal,
+)
 from oomcast.service.pipeline.rulefile import DEFAULT_RULES, load_rules
 from oomcast.service.pipeline.rules import Alert, AlertPolicy, policy_rule
-from oomcast.service.pipeline.state import LiveState
+from oomcast.service.pipeline.state import RESTORED_PROBATION_S, LiveState
 
 DOMAIN = ("n1", "gpu0")
 PARTITION = 1
@@ -345,3 +355,64 @@ def test_domains_that_fall_due_together_are_spread_over_batches() -> None:
     assert len(sched.pick(domains[:10], [], now=0.7)) == 0  # none due again yet
     few = [("m", f"gpu{i}") for i in range(MIN_PER_BATCH)]
     assert len(sched.pick(few[:3], [], now=1.0)) == 3  # small batches are not held back
+
+
+def test_a_blob_the_service_did_not_seal_is_not_restored_and_is_counted(
+    redis_url: str, key_prefix: str
+) -> None:
+    """The reported attack: an attacker with only Redis write access put a chosen LSTM
+    state into a healthy domain's snapshot, took the lease, and the service restored it and
+    shed a process. With a seal key, the service restores only blobs it sealed: one written
+    past it, one sealed under another key, or a sealed one moved to another domain's field
+    starts its domain cold, and is counted; the genuine ones restore as before."""
+    key = snapshot_key("control-secret", None)
+
+    async def scenario() -> Restored:
+        client = aioredis.from_url(redis_url)
+        store = SnapshotStore(client, key_prefix, seal_key=key)
+        live = threshold_live()
+        run(live, [sample(1.0, 0.5, device=f"gpu{i}") for i in range(4)])
+        blobs = {d: live.snapshot(d) for d in live.domains}
+        pipe = client.pipeline(transaction=False)
+        store.stage(pipe, PARTITION, {("n1", "gpu0"): blobs[("n1", "gpu0")]})
+        await pipe.execute()
+        h = store.key(PARTITION)
+        await client.hset(h, field_of(("n1", "gpu1")), blobs[("n1", "gpu1")])  # type: ignore[misc]
+        other = seal(blobs[("n1", "gpu2")], snapshot_key("guess", None), PARTITION,
+                     field_of(("n1", "gpu2")))  # fmt: skip
+        await client.hset(h, field_of(("n1", "gpu2")), other)  # type: ignore[misc]
+        moved = seal(blobs[("n1", "gpu0")], key, PARTITION, field_of(("n1", "gpu0")))
+        await client.hset(h, field_of(("n1", "gpu3")), moved)  # type: ignore[misc]
+        restored = await store.restore(threshold_live(), PARTITION)
+        await client.aclose()
+        return restored
+
+    restored = asyncio.run(scenario())
+    assert [s.domain for s in restored.states] == [("n1", "gpu0")]
+    assert restored.forged == 3 and restored.ignored == 3
+    with pytest.raises(ForgedSnapshot, match="no seal"):
+        unseal(b"oomcast-snapshot/1\n{}", key, PARTITION, "x")
+    assert unseal(seal(b"blob", key, 1, "x"), None, 1, "x") == b"blob"  # no key: no check
+
+
+def test_a_restored_time_ahead_of_the_clock_starts_the_domain_cold() -> None:
+    """``last_oom_ts`` or ``last_seen_wall`` of 1e12 in a snapshot made the service drop
+    every real sample of the domain as late, for ever."""
+    live = threshold_live()
+    run(live, [sample(1.0, 0.5)])
+    body = json.loads(live.snapshot(DOMAIN)[len(MAGIC) :])
+    for name in ("last_oom_ts", "last_seen_wall", "attested_at"):
+        bad = {**body, "scalars": {**body["scalars"], name: 1e12}}
+        assert threshold_live().restore(_blob(bad), now=2e9) is None, name
+    assert threshold_live().restore(_blob(body), now=2e9) is not None
+
+
+def test_a_restored_state_is_a_warm_start_not_evidence_for_node_actions() -> None:
+    live = threshold_live()
+    run(live, [sample(1.0, 0.5)])
+    new = threshold_live()
+    st = new.restore(live.snapshot(DOMAIN), now=1000.0)
+    assert st is not None and st.restored_at == 1000.0
+    why = new.why_unattested(st, True, 1000.0 + RESTORED_PROBATION_S - 1)
+    assert why is not None and "restored from a snapshot" in why
+    assert new.why_unattested(st, True, 1000.0 + RESTORED_PROBATION_S) is None

@@ -530,11 +530,13 @@ def _node_act(action: str, alert: Alert, now: float, stale_after_s: float) -> Ac
     if action == "shed":
         target = float(params.pop("target_frac", SHED_TARGET_FRAC))
         total, used = int(alert.total_bytes), int(alert.used_bytes)
-        if alert.repeat and used <= target * total:
-            return Act(action, "n/a: already below target_frac")
-        # free enough to bring the domain back under target_frac of its capacity, and at
-        # least a twentieth of it: the forecast says use is still rising
-        params["need_bytes"] = max(used - int(target * total), total // 20)
+        if used <= target * total:
+            # A domain under its target is shed nothing, first time or not: a forecast alone
+            # (forged state once made a flat 40% line read as an OOM) never frees memory
+            # the domain does not hold above its target.
+            return Act(action, "n/a: below target_frac")
+        # free what brings the domain back under target_frac of its capacity, no more
+        params["need_bytes"] = used - int(target * total)
         if params.get("priority") is None:
             params.pop("priority", None)
     return Act(action, "command", params)

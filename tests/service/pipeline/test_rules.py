@@ -275,6 +275,17 @@ def test_dispatcher_records_what_it_did_and_signs_node_commands() -> None:
     calm = d.dispatch(dataclasses.replace(alert, repeat=True, used_bytes=50), now)
     assert calm.record["dispatched"]["shed"].startswith("n/a")
     assert [c.action for c in calm.commands] == ["checkpoint"]
+    # nor a first one: a domain at 40% was once shed 5% of its capacity on a (forged)
+    # forecast, because the first shed always asked for at least a twentieth
+    flat = d.dispatch(dataclasses.replace(alert, repeat=False, used_bytes=40), now)
+    assert flat.record["dispatched"]["shed"].startswith("n/a: below target_frac")
+    assert [c.action for c in flat.commands] == ["checkpoint"]
+    # just above the target, it asks for what brings the domain back to it, no more
+    edge = d.dispatch(dataclasses.replace(alert, used_bytes=86), now)
+    [shed_edge] = [c for c in edge.commands if c.fields and "shed" in str(c.fields)]
+    got = verify_command(dict(shed_edge.fields), node_key("k", "n1"), now=time.time(),
+                         node="n1", nonces=NonceCache())  # fmt: skip
+    assert got.params["need_bytes"] == 86 - 85
     # a broken dispatch is recorded on the alert, never raised into the ingest loop, and
     # then nothing is sent
     broken = d.dispatch(dataclasses.replace(alert, total_bytes="lots"), now)

@@ -39,11 +39,11 @@ def derive_key(secret: str, context: bytes) -> str:
     return hmac.new(_key(secret), context, hashlib.sha256).hexdigest()
 
 
-def service_key(
+def service_keys(
     control_secret: str | None, webhook_secret: str | None, context: bytes
-) -> str | None:
-    """The key the service seals what only it may write back to Redis (outbox items, state
-    snapshots) with, one per ``context``: derived from the control secret, else from the
-    webhook secret; None when the service has neither. Every replica derives the same."""
-    secret = control_secret or webhook_secret
-    return derive_key(secret, context) if secret else None
+) -> tuple[str, ...]:
+    """The keys the service seals what only it may write back to Redis (outbox items, state
+    snapshots) with, for ``context``: one derived from the control secret and one from the
+    webhook secret, for those set, in that order (the first seals, any verifies). Every
+    replica with the same secrets derives the same."""
+    return tuple(derive_key(s, context) for s in (control_secret, webhook_secret) if s)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
@@ -31,10 +32,10 @@ from oomcast.service.api.routes import (
     samples,
 )
 from oomcast.service.cluster.leases import partition_owner
-from oomcast.service.cluster.snapshot import SnapshotStore, snapshot_key
+from oomcast.service.cluster.snapshot import SnapshotStore, snapshot_keys
 from oomcast.service.context import Deliveries, ServiceContext
 from oomcast.service.delivery.alertmanager import AlertmanagerTarget
-from oomcast.service.delivery.outbox import Outbox, outbox_key
+from oomcast.service.delivery.outbox import Outbox, outbox_keys
 from oomcast.service.delivery.webhook import WebhookTarget
 from oomcast.service.delivery.worker import DeliveryWorker, Target
 from oomcast.service.ingest import Ingestor
@@ -66,7 +67,7 @@ def build_deliveries(
         client,
         keys,
         degraded_after_s=settings.delivery_degraded_after_s,
-        key=outbox_key(*_secrets(settings)),
+        seal_keys=outbox_keys(*_secrets(settings)),
     )
     webhook = None
     if settings.webhook_url and settings.webhook_secret:
@@ -174,7 +175,9 @@ def build_context(settings: Settings) -> ServiceContext:
         snapshots=SnapshotStore(
             client,
             keys.prefix,
-            seal_key=snapshot_key(*_secrets(settings)),
+            seal_keys=snapshot_keys(*_secrets(settings)),
+            # a restored time may lie as far ahead as a sample's ts may, and a minute more
+            max_future_s=settings.max_ts_skew_s + 60.0 if settings.max_ts_skew_s else math.inf,
         ),
         snapshot_every_s=settings.snapshot_every_s,
         snapshot_history=settings.snapshot_history,

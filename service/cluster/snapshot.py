@@ -26,7 +26,8 @@ control secret, else its webhook secret: ``snapshot_key``) each blob is sealed w
 seal fails is not restored (its domain starts cold) and is counted. A restored blob whose
 times lie ahead of the clock (past ``max_future_s``) is not restored either. And a restored
 state is a warm start, not evidence: the domain's node actions wait until this replica has
-applied its own attested samples for ``RESTORED_PROBATION_S`` (``LiveState.why_unattested``).
+applied its own attested samples for ``RESTORED_PROBATION_S``, counted from the first of
+them (``LiveState.why_unattested``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -50,7 +51,7 @@ from oomcast.model.embedding import EMBEDDING_VERSION, sample_dict
 from oomcast.model.forecast import Forecast, Forecaster, export_state, import_state
 from oomcast.model.phase import PhaseState
 from oomcast.model.schema import Domain, parse_sample
-from oomcast.model.signing import SIG_PREFIX, service_key, sign, verify
+from oomcast.model.signing import SIG_PREFIX, service_keys, sign, verify
 from oomcast.model.text import compact_json
 from oomcast.service.cluster.leases import lease_key
 from oomcast.service.pipeline.history import History
@@ -66,6 +67,9 @@ HISTORY_POINTS = 32  # newest history points kept in a blob
 # a plain scalar (int, float, str, bool, None) travels as is, so fields added later are
 # carried without touching this module.
 STRUCTURED = frozenset({"domain", "forecaster_state", "history", "last", "forecast", "episodes"})
+# What only the replica holding the domain knows, and a blob must never set: when it restored
+# the domain, and since when its own signed samples came (a restored state's probation).
+LOCAL_ONLY = frozenset({"restored_at", "own_since"})
 _SCALARS: dict[str, tuple[type, ...]] = {
     "int": (int,),
     "float": (int, float),
@@ -79,7 +83,7 @@ def _scalar_fields() -> dict[str, tuple[type, ...]]:
     """DomainState's plain scalar fields and the JSON types each accepts."""
     out: dict[str, tuple[type, ...]] = {}
     for f in fields(DomainState):
-        if f.name in STRUCTURED:
+        if f.name in STRUCTURED or f.name in LOCAL_ONLY:
             continue
         names = [t.strip() for t in str(f.type).split("|")]
         if all(n in _SCALARS for n in names):
@@ -102,34 +106,37 @@ class ForgedSnapshot(SnapshotError):
     """A blob whose seal is missing or does not verify: not written by the service."""
 
 
-def snapshot_key(control_secret: str | None, webhook_secret: str | None) -> str | None:
-    """The key snapshot blobs are sealed with (None: the service has no secret)."""
-    return service_key(control_secret, webhook_secret, SNAPSHOT_KEY_CONTEXT)
+def snapshot_keys(control_secret: str | None, webhook_secret: str | None) -> tuple[str, ...]:
+    """The keys snapshot blobs are sealed with (the first) and verified with (any); none
+    when the service has no secret."""
+    return service_keys(control_secret, webhook_secret, SNAPSHOT_KEY_CONTEXT)
 
 
 def _sealed_bytes(partition: int, name: str, blob: bytes) -> bytes:
     return b"%d\n%s\n" % (partition, name.encode()) + blob
 
 
-def seal(blob: bytes, key: str | None, partition: int, name: str) -> bytes:
-    """``blob`` as stored: ``sha256=<MAC>\n`` ahead of it, the MAC over the partition, the
-    field name and the blob (a sealed blob moved to another domain does not verify)."""
-    if key is None:
+def seal(blob: bytes, keys: Sequence[str], partition: int, name: str) -> bytes:
+    """``blob`` as stored: ``sha256=<MAC>\n`` ahead of it under the first of ``keys``, the
+    MAC over the partition, the field name and the blob (a sealed blob moved to another
+    domain does not verify); the blob alone when there is no key."""
+    if not keys:
         return blob
-    return sign(_sealed_bytes(partition, name, blob), key).encode() + b"\n" + blob
+    return sign(_sealed_bytes(partition, name, blob), keys[0]).encode() + b"\n" + blob
 
 
-def unseal(stored: bytes, key: str | None, partition: int, name: str) -> bytes:
-    """The blob of a stored value whose seal verifies; ForgedSnapshot otherwise. With no
-    key there is nothing to check: a sealed value's blob is taken as it is."""
+def unseal(stored: bytes, keys: Sequence[str], partition: int, name: str) -> bytes:
+    """The blob of a stored value whose seal verifies under one of ``keys``; ForgedSnapshot
+    otherwise. With no key there is nothing to check: a sealed value's blob is taken as is."""
     head, sep, blob = bytes(stored).partition(b"\n")
     sealed = bool(sep) and head.startswith(SIG_PREFIX.encode())
-    if key is None:
+    if not keys:
         return blob if sealed else bytes(stored)
     if not sealed:
-        raise ForgedSnapshot("no seal: not written by the service")
-    if not verify(_sealed_bytes(partition, name, blob), head, key):
-        raise ForgedSnapshot("its seal does not verify under the service's key")
+        raise ForgedSnapshot("no seal: not written by the service (or by a version before seals)")
+    data = _sealed_bytes(partition, name, blob)
+    if not any(verify(data, head, key) for key in keys):
+        raise ForgedSnapshot("its seal does not verify under the service's keys")
     return blob
 
 
@@ -386,7 +393,10 @@ class SnapshotStore:
     client: aioredis.Redis
     prefix: str
     ttl_s: float = 86_400.0
-    seal_key: str | None = None  # blobs are sealed with it, restored only if the seal holds
+    # blobs are sealed with the first, and restored only if their seal holds under one
+    seal_keys: tuple[str, ...] = ()
+    # how far ahead of the clock a restored time may lie (the service's ts skew, and more)
+    max_future_s: float = MAX_FUTURE_S
 
     def key(self, partition: int) -> str:
         return f"{self.prefix}:snapshot:{{{partition}}}"
@@ -406,7 +416,7 @@ class SnapshotStore:
         pairs = []
         for d, blob in items.items():
             name = field_of(d)
-            pairs.append((name, seal(blob, self.seal_key, partition, name)))
+            pairs.append((name, seal(blob, self.seal_keys, partition, name)))
         ttl_ms = max(1, round(self.ttl_s * 1000))
         key = self.key(partition)
         queued = 0
@@ -475,7 +485,7 @@ class SnapshotStore:
             if i and i % RESTORE_CHUNK == 0:
                 await asyncio.sleep(0)  # a few hundred µs a domain: let requests in between
             try:
-                blob = unseal(stored, self.seal_key, partition, name)
+                blob = unseal(stored, self.seal_keys, partition, name)
             except ForgedSnapshot as exc:
                 log.error(
                     "the snapshot of %s in partition %d was not written by this service (%s):"
@@ -487,7 +497,7 @@ class SnapshotStore:
                 out.ignored += 1
                 out.forged += 1
                 continue
-            st = live.restore(blob, time.time())
+            st = live.restore(blob, time.time(), max_future_s=self.max_future_s)
             if st is None:
                 out.ignored += 1
             else:

@@ -31,11 +31,12 @@ hold one delivery at once, and the claims of a worker that died come back due by
 Staging is idempotent: an id already owed or already ended is not owed again.
 
 Sealed items: anyone who can write to Redis could stage an item, and the worker would sign
-it with the webhook secret and send it as the service's own. So with a key (derived from the
-service's control secret, or else its webhook secret: ``outbox_key``) every item is stored
-as ``sha256=<MAC> <JSON>`` from the moment it is staged, and an item taken from the outbox
-is sent only if its MAC verifies; one that does not is removed unsent and reported as
-``forged`` (counted, logged, audited with its id and nothing it claims).
+it with the webhook secret and send it as the service's own. So with keys (derived from the
+service's control secret and its webhook secret: ``outbox_keys``) every item is stored as
+``sha256=<MAC> <JSON>`` from the moment it is staged, and an item taken from the outbox is
+sent only if its MAC verifies and it sits under the id and target it was sealed for; one
+that does not is removed unsent and reported as ``forged`` (counted, logged, audited with
+its id and a fixed reason, nothing it claims).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from oomcast.model.signing import SIG_PREFIX, service_key, sign, verify
+from oomcast.model.signing import SIG_PREFIX, service_keys, sign, verify
 from oomcast.model.text import as_str, compact_json
 from oomcast.model.wire import Keys, answer_async
 
@@ -60,33 +61,39 @@ TARGETS = ("webhook", "alertmanager")  # every kind of receiver deliveries may b
 OUTBOX_KEY_CONTEXT = b"oomcast:outbox-items:v1"
 
 
-def outbox_key(control_secret: str | None, webhook_secret: str | None) -> str | None:
-    """The key outbox items are sealed with: derived from the control secret (which only
-    the service holds), else from the webhook secret; None when neither is set."""
-    return service_key(control_secret, webhook_secret, OUTBOX_KEY_CONTEXT)
+def outbox_keys(control_secret: str | None, webhook_secret: str | None) -> tuple[str, ...]:
+    """The keys outbox items are sealed with, the first sealing, any verifying: derived
+    from the control secret (which only the service holds) and from the webhook secret, for
+    those set. Verifying with both keeps items owed across adding a control secret to a
+    service that had only a webhook secret."""
+    return service_keys(control_secret, webhook_secret, OUTBOX_KEY_CONTEXT)
 
 
 class ForgedItem(ValueError):
     """An outbox item whose seal does not verify: it was not staged by this service."""
 
 
-def seal(item: str, key: str | None) -> str:
-    """An item as stored: ``sha256=<MAC> <JSON>`` under ``key``, or the JSON alone."""
-    return item if key is None else f"{sign(item.encode(), key)} {item}"
+def seal(item: str, keys: Sequence[str]) -> str:
+    """An item as stored: ``sha256=<MAC> <JSON>`` under the first of ``keys``, or the JSON
+    alone when there is none."""
+    return f"{sign(item.encode(), keys[0])} {item}" if keys else item
 
 
-def unseal(stored: bytes | str, key: str | None) -> str:
-    """The JSON of a stored item whose seal verifies under ``key``; ForgedItem otherwise.
-    With no key there is nothing to check: a sealed item's JSON is taken as it is."""
-    text = as_str(stored)
+def unseal(stored: bytes | str, keys: Sequence[str]) -> str:
+    """The JSON of a stored item whose seal verifies under one of ``keys``; ForgedItem
+    otherwise. With no key there is nothing to check: a sealed item's JSON is taken as is."""
+    try:
+        text = as_str(stored)
+    except UnicodeDecodeError:
+        raise ForgedItem("not text (staged by something other than the service)") from None
     mac, sep, item = text.partition(" ")
     sealed = bool(sep) and mac.startswith(SIG_PREFIX)
-    if key is None:
+    if not keys:
         return item if sealed else text
     if not sealed:
         raise ForgedItem("no seal (staged by something other than the service)")
-    if not verify(item.encode(), mac, key):
-        raise ForgedItem("its seal does not verify under the service's key")
+    if not any(verify(item.encode(), mac, key) for key in keys):
+        raise ForgedItem("its seal does not verify under the service's keys")
     return item
 
 
@@ -178,10 +185,15 @@ class Progress:
 class Forged:
     """An item taken from the outbox whose seal did not verify: never sent."""
 
-    id: str
+    id: bytes | str  # its field in the items hash, as Redis gave it
     target: str
     order: str | None  # its order queue, as the item claims (to unblock it), if readable
-    why: str
+    why: str  # one of a few fixed reasons: nothing the item says
+
+    def label(self) -> str:
+        """The id, readable and bounded, for logs and the audit."""
+        raw = self.id if isinstance(self.id, bytes) else self.id.encode("utf-8", "replace")
+        return raw[:200].decode("utf-8", "replace")
 
 
 @dataclass
@@ -261,13 +273,17 @@ end
 return n
 """
 
-# KEYS: due, items, meta, claims. ARGV: now, claimed until, limit, token.
+# KEYS: due, items, meta, claims, done. ARGV: now, claimed until, limit, token. An id that
+# already ended is never taken again (an ended item written back by someone else).
 CLAIM = """
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
 local out = {}
 for _, id in ipairs(ids) do
   local item = redis.call('HGET', KEYS[2], id)
-  if item then
+  if item and redis.call('ZSCORE', KEYS[5], id) then
+    redis.call('ZREM', KEYS[1], id)
+    redis.call('HDEL', KEYS[2], id)
+  elseif item then
     redis.call('ZADD', KEYS[1], ARGV[2], id)
     redis.call('HSET', KEYS[4], id, ARGV[4])
     table.insert(out, id)
@@ -321,10 +337,11 @@ class Outbox:
         *,
         done_kept_s: float = DONE_KEPT_S,
         degraded_after_s: float = 60.0,
-        key: str | None = None,
+        seal_keys: Sequence[str] = (),
     ) -> None:
         self.client = client
-        self.seal_key = key  # items are sealed with it, and sent only if their seal verifies
+        # items are sealed with the first, and sent only if their seal verifies under one
+        self.seal_keys = tuple(seal_keys)
         self.base = f"{keys.prefix}:outbox:{{o}}"
         self.done_kept_s = done_kept_s
         self.degraded_after_s = degraded_after_s
@@ -367,7 +384,7 @@ class Outbox:
             keys += [self.queue(target, d.order) for d in items]
             args: list[Any] = [now, "1" if idle_only else "0"]
             for d in items:
-                args += [d.id, seal(d.to_json(), self.seal_key), d.created_at]
+                args += [d.id, seal(d.to_json(), self.seal_keys), d.created_at]
             pipe.eval(STAGE, len(keys), *keys, *args)
 
     def wake(self) -> None:
@@ -400,7 +417,7 @@ class Outbox:
         if limit <= 0:
             return []
         token = f"{worker}:{uuid.uuid4().hex[:12]}"
-        keys = [self.key(target, k) for k in ("due", "items", "meta", "claims")]
+        keys = [self.key(target, k) for k in ("due", "items", "meta", "claims", "done")]
         got = cast(
             list[bytes | str],
             await answer_async(
@@ -409,13 +426,25 @@ class Outbox:
         )
         out = []
         for i in range(0, len(got), 3):
+            field, stored = got[i], got[i + 1]
             try:
-                delivery = Delivery.from_json(unseal(got[i + 1], self.seal_key))
-            except (ForgedItem, ValueError, KeyError, TypeError) as exc:
-                if forged is not None:
-                    forged.append(Forged(as_str(got[i]), target, _order_of(got[i + 1]), str(exc)))
+                delivery = Delivery.from_json(unseal(stored, self.seal_keys))
+                if delivery.id != as_str(field) or delivery.target != target:
+                    # a genuine item copied under another id, or into another target's hash
+                    raise ForgedItem("a copy: its id or target is not the one it was sealed for")
+            except ForgedItem as exc:
+                why = str(exc)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                why = "unreadable (not an item the service staged)"
+            else:
+                try:
+                    progress = Progress.from_json(got[i + 2])
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    progress = Progress()  # its tries so far are lost, not the delivery
+                out.append(Claimed(delivery, progress, token))
                 continue
-            out.append(Claimed(delivery, Progress.from_json(got[i + 2]), token))
+            if forged is not None:
+                forged.append(Forged(field, target, _order_of(stored), why))
         return out
 
     async def discard(self, item: Forged, now: float) -> bool:
@@ -505,10 +534,10 @@ class Outbox:
 
 def _order_of(stored: bytes | str) -> str | None:
     """The order queue an item names, read without trusting it (only to unblock the queue)."""
-    text = as_str(stored)
     try:
+        text = as_str(stored)
         obj = json.loads(text.partition(" ")[2] if text.startswith(SIG_PREFIX) else text)
         order = obj.get("order") if isinstance(obj, dict) else None
-    except ValueError:
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return None
     return order if isinstance(order, str) else None

@@ -243,13 +243,13 @@ class DeliveryWorker:
         log.error(
             "%s outbox item %r was not staged by this service (%s): removed, not sent",
             item.target,
-            item.id[:200],
+            item.label(),
             item.why,
         )
         self._on_outcome(item.target, "forged")
         record = {
             "record": "delivery",
-            "delivery_id": item.id[:200],
+            "delivery_id": item.label(),
             "target": item.target,
             "outcome": "forged",
             "why": item.why,

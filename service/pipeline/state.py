@@ -75,9 +75,12 @@ class DomainState:
     # fires on a forecast, nothing of the domain's rules can change, and they are skipped
     # (``LiveState._apply_round``). Episodes only leave that state through ``advance``.
     quiet: bool = False
-    # When this replica restored the domain from a snapshot (wall time): a warm start, not
-    # evidence; node actions wait RESTORED_PROBATION_S of this replica's own samples.
+    # When this replica restored the domain from a snapshot (wall time), and when the first
+    # sample signed by the domain's node came after that: a restored state is a warm start,
+    # not evidence; node actions wait RESTORED_PROBATION_S from that first signed sample.
+    # Never carried in a snapshot (service/cluster/snapshot.py LOCAL_ONLY).
     restored_at: float | None = None
+    own_since: float | None = None
 
     def summary(self, horizon_s: int) -> dict[str, Any]:
         s, f = self.last, self.forecast
@@ -88,7 +91,12 @@ class DomainState:
         remedies = list(why.remedies) if why else []
         evidence = why.evidence if why else None
         thin = list(why.thin) if why else []
-        in_sight = alert["firing"] or f.time_to_oom_s is not None or self.phase_forecast is not None
+        in_sight = (
+            alert["firing"]
+            or any(ep.above for ep in self.episodes.values())  # over a rule's bar, not yet firing
+            or f.time_to_oom_s is not None
+            or self.phase_forecast is not None
+        )
         if not in_sight:
             # A cause answers "why is the OOM coming": with none in sight, naming one (a
             # "leak" at 0.2% risk) reads as a diagnosis nobody should act on.
@@ -153,6 +161,8 @@ def _took(st: DomainState, sample: Sample, attested: bool, now: float) -> None:
     st.behind = 0
     if attested:
         st.attested_at = now
+        if st.restored_at is not None and st.own_since is None:
+            st.own_since = now
     else:
         st.unattested_at = now
 
@@ -440,7 +450,9 @@ class LiveState:
                 "the forecast rests on a sample not signed by the domain's own node (sent"
                 " over HTTP, or unsigned): no destructive action"
             )
-        if st.restored_at is not None and now - st.restored_at < RESTORED_PROBATION_S:
+        if st.restored_at is not None and (
+            st.own_since is None or now - st.own_since < RESTORED_PROBATION_S
+        ):
             return (
                 f"the domain's state was restored from a snapshot {now - st.restored_at:.0f}s"
                 " ago: a warm start, not evidence; node actions wait for"
@@ -659,7 +671,9 @@ class LiveState:
         points = snapshot.HISTORY_POINTS if history_points is None else history_points
         return snapshot.encode(self.domains[domain], self.forecaster, history_points=points)
 
-    def restore(self, blob: bytes, now: float | None = None) -> DomainState | None:
+    def restore(
+        self, blob: bytes, now: float | None = None, *, max_future_s: float = 300.0
+    ) -> DomainState | None:
         """Install the domain state ``blob`` holds (replacing this replica's own copy of it,
         which a replica that just acquired the partition must not trust); None, with a
         warning, when the blob cannot be restored: the domain then starts cold."""
@@ -672,6 +686,7 @@ class LiveState:
             [r.name for r in self.rules],
             history_len=self.history_len,
             now=now,
+            max_future_s=max_future_s,
         )
         if st is None:
             return None

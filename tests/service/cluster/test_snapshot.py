@@ -31,7 +31,7 @@ from oomcast.service.cluster.snapshot import (
     SnapshotStore,
     field_of,
     seal,
-    snapshot_key,
+    snapshot_keys,
     unseal,
 )
 from oomcast.service.pipeline.rulefile import DEFAULT_RULES, load_rules
@@ -365,11 +365,11 @@ def test_a_blob_the_service_did_not_seal_is_not_restored_and_is_counted(
     shed a process. With a seal key, the service restores only blobs it sealed: one written
     past it, one sealed under another key, or a sealed one moved to another domain's field
     starts its domain cold, and is counted; the genuine ones restore as before."""
-    key = snapshot_key("control-secret", None)
+    key = snapshot_keys("control-secret", "webhook-secret")
 
     async def scenario() -> Restored:
         client = aioredis.from_url(redis_url)
-        store = SnapshotStore(client, key_prefix, seal_key=key)
+        store = SnapshotStore(client, key_prefix, seal_keys=key)
         live = threshold_live()
         run(live, [sample(1.0, 0.5, device=f"gpu{i}") for i in range(4)])
         blobs = {d: live.snapshot(d) for d in live.domains}
@@ -378,7 +378,7 @@ def test_a_blob_the_service_did_not_seal_is_not_restored_and_is_counted(
         await pipe.execute()
         h = store.key(PARTITION)
         await client.hset(h, field_of(("n1", "gpu1")), blobs[("n1", "gpu1")])  # type: ignore[misc]
-        other = seal(blobs[("n1", "gpu2")], snapshot_key("guess", None), PARTITION,
+        other = seal(blobs[("n1", "gpu2")], snapshot_keys("guess", None), PARTITION,
                      field_of(("n1", "gpu2")))  # fmt: skip
         await client.hset(h, field_of(("n1", "gpu2")), other)  # type: ignore[misc]
         moved = seal(blobs[("n1", "gpu0")], key, PARTITION, field_of(("n1", "gpu0")))
@@ -392,7 +392,9 @@ def test_a_blob_the_service_did_not_seal_is_not_restored_and_is_counted(
     assert restored.forged == 3 and restored.ignored == 3
     with pytest.raises(ForgedSnapshot, match="no seal"):
         unseal(b"oomcast-snapshot/1\n{}", key, PARTITION, "x")
-    assert unseal(seal(b"blob", key, 1, "x"), None, 1, "x") == b"blob"  # no key: no check
+    assert unseal(seal(b"blob", key, 1, "x"), (), 1, "x") == b"blob"  # no key: no check
+    # sealed under the webhook secret's key alone (before a control secret was added)
+    assert unseal(seal(b"blob", key[1:], 1, "x"), key, 1, "x") == b"blob"
 
 
 def test_a_restored_time_ahead_of_the_clock_starts_the_domain_cold() -> None:
@@ -413,6 +415,13 @@ def test_a_restored_state_is_a_warm_start_not_evidence_for_node_actions() -> Non
     new = threshold_live()
     st = new.restore(live.snapshot(DOMAIN), now=1000.0)
     assert st is not None and st.restored_at == 1000.0
-    why = new.why_unattested(st, True, 1000.0 + RESTORED_PROBATION_S - 1)
+    # the clock starts at this replica's first signed sample, not at the restore
+    assert "restored from a snapshot" in (new.why_unattested(st, True, 5000.0) or "")
+    new.apply([sample(2.0, 0.5)], 1010.0, None, [True])
+    assert st.own_since == 1010.0
+    why = new.why_unattested(st, True, 1010.0 + RESTORED_PROBATION_S - 1)
     assert why is not None and "restored from a snapshot" in why
-    assert new.why_unattested(st, True, 1000.0 + RESTORED_PROBATION_S) is None
+    assert new.why_unattested(st, True, 1010.0 + RESTORED_PROBATION_S) is None
+    # what only this replica knows never travels in a blob (None would mean no probation)
+    body = json.loads(new.snapshot(DOMAIN)[len(MAGIC) :])
+    assert "restored_at" not in body["scalars"] and "own_since" not in body["scalars"]

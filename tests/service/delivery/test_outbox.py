@@ -26,7 +26,7 @@ from oomcast.service.delivery.outbox import (
     ForgedItem,
     Outbox,
     delivery_id,
-    outbox_key,
+    outbox_keys,
     seal,
     unseal,
 )
@@ -66,7 +66,7 @@ async def worker(
         client,
         Keys(prefix),
         degraded_after_s=kw.pop("degraded_after_s", 60.0),
-        key=kw.pop("key", None),
+        seal_keys=kw.pop("keys", ()),
     )
     target = WebhookTarget(url, SECRET)
     outcomes: list[tuple[str, str]] = []
@@ -440,7 +440,7 @@ def test_an_alert_owed_while_the_receiver_is_down_survives_a_restart_of_the_serv
         assert firing["dispatched"]["webhook"] == "owed"  # not "queued": it is in the outbox
         # sealed from the moment it is staged, with the key the webhook secret gives
         [stored] = rclient.hvals(f"{key_prefix}:outbox:{{o}}:webhook:items")
-        assert json.loads(unseal(stored, outbox_key(None, SECRET)))["id"]
+        assert json.loads(unseal(stored, outbox_keys(None, SECRET)))["id"]
         # owed, failing, and said so, while the service stays ready (it still ingests)
         assert wait_until(lambda: c.get("/readyz").json()["deliveries"]["status"] == "degraded")
         ready = c.get("/readyz")
@@ -476,10 +476,12 @@ def test_an_alert_owed_while_the_receiver_is_down_survives_a_restart_of_the_serv
     assert len(receiver.requests) == 1
 
 
-ITEM_KEY = outbox_key("control-secret", SECRET)
+ITEM_KEYS = outbox_keys("control-secret", SECRET)
 
 
-def stage_raw(client: redis.Redis, prefix: str, did: str, stored: str, order: str) -> None:
+def stage_raw(
+    client: redis.Redis, prefix: str, did: bytes | str, stored: bytes | str, order: str
+) -> None:
     """Stage an item as someone with write access to Redis could: past the service."""
     base = f"{prefix}:outbox:{{o}}:webhook"
     client.hset(f"{base}:items", did, stored)
@@ -490,17 +492,24 @@ def stage_raw(client: redis.Redis, prefix: str, did: str, stored: str, order: st
 
 def test_a_seal_is_checked_and_names_what_is_wrong() -> None:
     item = '{"id":"x"}'
-    assert unseal(seal(item, ITEM_KEY), ITEM_KEY) == item
-    assert unseal(seal(item, None), None) == item
-    assert unseal(seal(item, ITEM_KEY), None) == item  # no key here: nothing to check
+    assert unseal(seal(item, ITEM_KEYS), ITEM_KEYS) == item
+    assert unseal(seal(item, ()), ()) == item
+    assert unseal(seal(item, ITEM_KEYS), ()) == item  # no key here: nothing to check
+    # sealed with the key the webhook secret gives, it still verifies once a control secret
+    # is added (the control secret's key seals from then on)
+    webhook_only = outbox_keys(None, SECRET)
+    assert unseal(seal(item, webhook_only), ITEM_KEYS) == item
+    with pytest.raises(ForgedItem, match="not text"):
+        unseal(b"\xff\xfe", ITEM_KEYS)
     with pytest.raises(ForgedItem, match="no seal"):
-        unseal(item, ITEM_KEY)
+        unseal(item, ITEM_KEYS)
     with pytest.raises(ForgedItem, match="does not verify"):
-        unseal(seal(item, outbox_key("another", None)), ITEM_KEY)
+        unseal(seal(item, outbox_keys("another", None)), ITEM_KEYS)
     with pytest.raises(ForgedItem, match="does not verify"):
-        unseal(seal(item, ITEM_KEY).replace('"x"', '"y"'), ITEM_KEY)
-    assert outbox_key(None, None) is None
-    assert outbox_key("c", "w") == outbox_key("c", None) != outbox_key(None, "w")
+        unseal(seal(item, ITEM_KEYS).replace('"x"', '"y"'), ITEM_KEYS)
+    assert outbox_keys(None, None) == ()
+    assert outbox_keys("c", "w")[0] == outbox_keys("c", None)[0] != outbox_keys(None, "w")[0]
+    assert outbox_keys("c", "w")[1] == outbox_keys(None, "w")[0]
 
 
 @pytest.mark.slow  # about 1 s
@@ -510,11 +519,13 @@ def test_items_staged_past_the_service_are_never_signed_or_sent_and_are_counted(
     """The reported attack: items written straight into the outbox (a made-up alert, a
     resolve for a real episode, a real item with its severity changed, one sealed with
     another key) were delivered with a valid signature. Now each is removed unsent, counted
-    and audited by id; the real alerts queued behind them on the same domain still go."""
+    and audited by id; so are a genuine sealed item copied under another id and bytes that
+    are not text; a real item whose tries-so-far were overwritten with junk is still sent;
+    the real alerts queued behind the forged ones on the same domain still go."""
     receiver = WebhookReceiver()
 
     async def go() -> tuple[list[Delivery], list[tuple[str, str]]]:
-        async with worker(redis_url, key_prefix, receiver.url, key=ITEM_KEY) as (
+        async with worker(redis_url, key_prefix, receiver.url, keys=ITEM_KEYS) as (
             outbox,
             target,
             w,
@@ -529,15 +540,21 @@ def test_items_staged_past_the_service_are_never_signed_or_sent_and_are_counted(
             tampered["payload"]["severity"] = "critical"
             stage_raw(rclient, key_prefix, fake.id, fake.to_json(), fake.order)
             stage_raw(rclient, key_prefix, resolve.id, resolve.to_json(), resolve.order)
-            stage_raw(rclient, key_prefix, "tampered", seal(json.dumps(tampered), "k"),
+            stage_raw(rclient, key_prefix, "tampered", seal(json.dumps(tampered), ("k",)),
                       real.order)  # fmt: skip
+            copy = seal(real.to_json(), ITEM_KEYS)  # genuine, under another id
+            stage_raw(rclient, key_prefix, "copy", copy, real.order)
+            # bytes that are not text name no queue: put in a queue of their own (one in a
+            # real domain's queue would hold it up, as any id a Redis writer puts there can)
+            stage_raw(rclient, key_prefix, b"\xff", b"\xff\xfe", "elsewhere")
             other = Delivery(**{**real.__dict__, "id": "other-key"})
-            stage_raw(rclient, key_prefix, other.id, seal(other.to_json(), outbox_key("x", None)),
+            stage_raw(rclient, key_prefix, other.id, seal(other.to_json(), outbox_keys("x", None)),
                       other.order)  # fmt: skip
             later = new_delivery(target, alert("gpu0", observed_at=t0 + 1), t0 + 1)
             await outbox.put([real, later], time.time())  # queued behind the forged ones
+            rclient.hset(f"{key_prefix}:outbox:{{o}}:webhook:meta", real.id, "junk")
             await w.start()
-            assert await until(lambda: outcomes.count(("webhook", "forged")) == 4)
+            assert await until(lambda: outcomes.count(("webhook", "forged")) == 6)
             assert await until(lambda: len(taken(receiver)) == 2)
             assert await until(lambda: owed(rclient, key_prefix) == 0)
             return [real, later], outcomes
@@ -550,7 +567,8 @@ def test_items_staged_past_the_service_are_never_signed_or_sent_and_are_counted(
             assert json.loads(req["body"])["device"] == "gpu0"
             assert "severity" not in json.loads(req["body"])
         forged = [r for r in delivery_records(rclient, key_prefix) if r["outcome"] == "forged"]
-        assert len(forged) == 4 and all("node" not in r for r in forged)
+        assert len(forged) == 6 and all("node" not in r for r in forged)
+        assert {r["delivery_id"] for r in forged} >= {"copy", "tampered", "\ufffd"}
         assert all(r["outcome"] == "delivered" for r in delivery_records(rclient, key_prefix)
                    if r not in forged)  # fmt: skip
         assert outcomes.count(("webhook", "delivered")) == 2

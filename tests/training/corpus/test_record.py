@@ -131,3 +131,56 @@ def test_a_program_that_fails_by_itself_is_not_recorded_and_repeated_failures_st
     assert not list(tmp_path.glob("*.jsonl.gz"))
     assert sum("failed, not recorded" in line for line in said) == rec.MAX_FAILURES
     assert any("in a row failed: stopping" in line for line in said)
+
+
+def _entry(
+    name: str, split: str, kind: str, limit: int, peak: float, oom: bool
+) -> dict[str, object]:
+    return {"name": name, "program": name.split("-")[0], "kind": kind, "split": split,
+            "file": f"{name}.jsonl.gz", "limit_bytes": limit, "level_peak_frac": peak,
+            "oom": oom, "duration_s": 400.0}  # fmt: skip
+
+
+@pytest.mark.parametrize("first_peak", [0.73, 0.89])
+def test_a_near_miss_that_fell_short_gets_a_limit_from_its_own_peak_until_it_lands(
+    tmp_path: Path, first_peak: float
+) -> None:
+    """Near misses planned at 85-95% of their limit stopped at 73-89% (ordinary runs by the
+    scoring). ``relimit_near`` gives exactly those (not killed, not other kinds) a limit that
+    puts their measured peak at 91-95%, keeps the first figures, and tries again if the run
+    recorded under it still falls short."""
+    runs = [
+        _entry("gan-near", "val", "near", 600 * MIB, first_peak, False),
+        _entry("gan-near-2", "val", "near", 600 * MIB, 0.93, False),
+        _entry("lstm_lm-near", "test", "near", 600 * MIB, 0.997, True),
+        _entry("gan-ordinary", "val", "ordinary", 600 * MIB, 0.5, False),
+        _entry("mlp_tabular-near", "train", "near", 800 * MIB, 0.80, False),
+    ]
+    for r in runs:
+        (tmp_path / str(r["file"])).write_bytes(b"")
+    (tmp_path / rec.MANIFEST).write_text(json.dumps({"runs": runs}))
+    recorder = rec.Recorder(tmp_path, log=lambda m: None)
+    assert len(recorder.done()) == 5
+    assert recorder.relimit_near() == ["gan-near", "mlp_tabular-near"]  # validation first
+    new = recorder.relimits["gan-near"]
+    peak = first_peak * 600 * MIB
+    assert peak / 0.95 <= new["limit_bytes"] <= peak / 0.91
+    assert new["first"] == {"limit_bytes": 600 * MIB, "level_peak_frac": first_peak,
+                            "duration_s": 400.0}  # fmt: skip
+    assert json.loads((tmp_path / rec.RELIMITS).read_text()) == recorder.relimits
+    assert recorder.done() == {"gan-near-2", "lstm_lm-near", "gan-ordinary"}
+    # recorded under the new limit and short again: another limit, the first figures kept
+    runs[0].update(limit_bytes=new["limit_bytes"], level_peak_frac=0.89)
+    runs[4].update(limit_bytes=recorder.relimits["mlp_tabular-near"]["limit_bytes"],
+                   level_peak_frac=0.93)  # fmt: skip
+    (tmp_path / rec.MANIFEST).write_text(json.dumps({"runs": runs}))
+    again = rec.Recorder(tmp_path, log=lambda m: None)
+    assert again.relimit_near() == ["gan-near"]
+    second = again.relimits["gan-near"]
+    assert second["tries"] == 2 and second["first"] == new["first"]
+    assert (
+        0.89 * new["limit_bytes"] / 0.95
+        <= second["limit_bytes"]
+        <= 0.89 * new["limit_bytes"] / 0.91
+    )
+    assert "mlp_tabular-near" in again.done() and "gan-near" not in again.done()

@@ -329,7 +329,7 @@ class Recorder:
         self._run_plans([plans[n] for n in names if n in plans and n not in self.done()])
 
     def _program(self, name: str) -> str:
-        return next(r["program"] for r in self.manifest["runs"] if r["name"] == name)
+        return str(next(r["program"] for r in self.manifest["runs"] if r["name"] == name))
 
     def _git(self, paths: list[Path], message: str) -> None:
         if not self.commit:

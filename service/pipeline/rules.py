@@ -280,12 +280,15 @@ class Episode:
     last_fired_at: float | None = None  # for the cooldown; survives the episode's end
     last_acted_at: float | None = None  # for repeat_s
     suppressed: bool = False  # this episode started inside the cooldown: no actions
+    # the rule sheds, and the domain was under its shed target when the episode fired: the
+    # shed waits until the domain crosses the target while the episode goes on
+    shed_waits: bool = False
 
     def reset(self, *, forget_cooldown: bool = False) -> None:
         self.firing = False
         self.above = self.below = 0
         self.episode = self.fired_at = None
-        self.suppressed = False
+        self.suppressed = self.shed_waits = False
         if forget_cooldown:  # a new job: the last one's alerts say nothing about it
             self.last_fired_at = None
 
@@ -301,6 +304,7 @@ class Episode:
             "last_fired_at": self.last_fired_at,
             "last_acted_at": self.last_acted_at,
             "suppressed": self.suppressed,
+            "shed_waits": self.shed_waits,
         }
 
     @classmethod
@@ -308,7 +312,7 @@ class Episode:
         """The inverse of ``to_dict``; ValueError, naming the key, on anything malformed."""
         if not isinstance(data, Mapping):
             raise ValueError("episode must be an object")
-        flags = {k: data.get(k, False) for k in ("firing", "suppressed")}
+        flags = {k: data.get(k, False) for k in ("firing", "suppressed", "shed_waits")}
         counts = {k: data.get(k, 0) for k in ("above", "below")}
         times = {k: data.get(k) for k in ("fired_at", "last_fired_at", "last_acted_at")}
         episode = data.get("episode")
@@ -332,6 +336,7 @@ class Episode:
             last_fired_at=None if times["last_fired_at"] is None else float(times["last_fired_at"]),
             last_acted_at=None if times["last_acted_at"] is None else float(times["last_acted_at"]),
             suppressed=flags["suppressed"],
+            shed_waits=flags["shed_waits"],
         )
 
 
@@ -393,6 +398,12 @@ def advance(
         return alert
     if ep.below > 0:
         return None
+    if ep.shed_waits and not ep.suppressed and not under_shed_target(rule, sample):
+        # the shed its firing could not send (the domain was under its target) goes now
+        ep.shed_waits = False
+        ep.last_acted_at = now
+        why = "the domain crossed its shed target while the episode went on: node actions now"
+        return _alert("firing", rule, ep, sample, fc, job=job, reason=why, now=now, repeat=True)
     last = ep.last_fired_at
     if ep.suppressed and (last is None or now - last >= rule.cooldown_s):
         # the episode outlasted the cooldown it started in: act now, as a new firing
@@ -432,6 +443,7 @@ def _maybe_fire(
     ep.suppressed = last is not None and now - last < rule.cooldown_s
     if not ep.suppressed:
         ep.last_fired_at = ep.last_acted_at = now
+    ep.shed_waits = under_shed_target(rule, sample)
     why = f"{rule.describe()} (risk {fc.risk_at(rule.horizon_s or 60):.2f}"
     why += f", time to OOM {fc.time_to_oom_s:.0f}s)" if fc.time_to_oom_s else ")"
     if ep.suppressed:
@@ -540,3 +552,12 @@ def _node_act(action: str, alert: Alert, now: float, stale_after_s: float) -> Ac
         if params.get("priority") is None:
             params.pop("priority", None)
     return Act(action, "command", params)
+
+
+def under_shed_target(rule: Rule, sample: Sample) -> bool:
+    """Whether ``rule`` sheds and ``sample``'s domain is at or under its shed target: then a
+    shed frees nothing (``_node_act``) and waits for the domain to cross it."""
+    if "shed" not in rule.actions:
+        return False
+    target = float((rule.params.get("shed") or {}).get("target_frac", SHED_TARGET_FRAC))
+    return sample.used_bytes <= target * sample.total_bytes

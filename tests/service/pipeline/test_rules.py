@@ -25,7 +25,7 @@ from oomcast.model.wire import Keys
 from oomcast.service.delivery.outbox import Delivery, Outbox, delivery_id
 from oomcast.service.pipeline.actions import Dispatcher
 from oomcast.service.pipeline.rulefile import DEFAULT_RULES, RulesError, load_rules
-from oomcast.service.pipeline.rules import Alert, AlertPolicy, Episode, Rule, evaluate
+from oomcast.service.pipeline.rules import Alert, AlertPolicy, Episode, Rule, acts, evaluate
 
 POLICY = AlertPolicy(120, 0.6, resolve_risk=0.3, fire_after=1)
 NOW = 1000.0
@@ -319,3 +319,30 @@ def test_serve_refuses_to_start_on_a_bad_rule(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "rules[0] 'r': actions[0]" in done.stderr
+
+
+def test_a_shed_that_fired_under_its_target_goes_when_the_domain_crosses_it() -> None:
+    """A forecast can fire while the domain is still under its shed target (a neighbour
+    climbing fast): the shed then frees nothing yet, and goes on the first sample of the
+    same episode that is over the target; once, and not for an episode that stays under."""
+    [rule] = load_rules_from(
+        {**RISK_RULE, "actions": ["shed"], "params": {"shed": {"target_frac": 0.7}}}
+    )
+
+    def at(ts: float, used: int) -> Sample:
+        return Sample(ts, "n1", "gpu0", "gpu", 100, used, job="train")
+
+    ep = Episode()
+    assert step(ep, rule, at(1.0, 50), fc(0.9)) is None
+    fired = step(ep, rule, at(2.0, 55), fc(0.9))
+    assert fired is not None and not fired.repeat and ep.shed_waits
+    [act] = acts(fired, fired.observed_at, lambda a: True, 60.0)
+    assert act.outcome == "n/a: below target_frac"
+    assert step(ep, rule, at(3.0, 65), fc(0.9)) is None  # still under: still waiting
+    crossed = step(ep, rule, at(4.0, 80), fc(0.9))
+    assert crossed is not None and crossed.repeat and not ep.shed_waits
+    [act] = acts(crossed, crossed.observed_at, lambda a: True, 60.0)
+    assert act.outcome == "command" and act.params["need_bytes"] == 80 - 70
+    assert step(ep, rule, at(5.0, 90), fc(0.9)) is None  # once
+    # the flag travels with the episode to a replica that takes the domain over
+    assert Episode.from_dict(Episode(firing=True, shed_waits=True).to_dict()).shed_waits

@@ -137,7 +137,8 @@ class NodeAgent:
         events: list[Entry],
     ) -> None:
         if isinstance(record, Event):
-            events.append(Entry(self.keys.events, encode_event(record), 1))
+            key = self._node_key if record.node == self.node else None  # its own node's only
+            events.append(Entry(self.keys.events, encode_event(record, key), 1))
             self.stats.events += 1
             if record.event == "oom":
                 self._embedders.pop(record.domain, None)  # that job is gone

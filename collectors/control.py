@@ -70,10 +70,11 @@ LISTENER_REASONS = ("disabled",)  # refusals of the listener itself (besides "bu
 MetricSample = tuple[str, str, str, dict[str, str], float]
 
 
-def encode_control_event(obj: Mapping[str, Any]) -> dict[str, str]:
+def encode_control_event(obj: Mapping[str, Any], key: str | None = None) -> dict[str, str]:
     """Stream fields of an event dict with extra keys: :func:`wire.encode_event` of its
-    :class:`~oomcast.model.events.DetailedEvent` (values JSON cannot carry become strings)."""
-    return encode_event(DetailedEvent.from_dict(obj))
+    :class:`~oomcast.model.events.DetailedEvent` (values JSON cannot carry become strings),
+    signed with ``key`` (the node's) when given."""
+    return encode_event(DetailedEvent.from_dict(obj), key)
 
 
 class ControlStats:
@@ -420,7 +421,7 @@ class ControlListener:
             else:
                 self.client.xadd(
                     self.keys.events,
-                    stream_fields(encode_control_event(obj)),
+                    stream_fields(encode_control_event(obj, self._secret)),
                     maxlen=self.events_maxlen,
                     approximate=True,
                 )

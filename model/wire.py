@@ -191,8 +191,32 @@ def entry_attested(fields: Mapping[Any, Any], key_for_node: Callable[[str], str 
     return verify(_attested_bytes(node, samples), sig, key)
 
 
-def encode_event(event: Event) -> dict[str, str]:
-    return {"v": ENTRY_VERSION, "event": compact_json(event.to_dict())}
+EVENT_SIG_CONTEXT = b"oomcast-event-v1\n"
+
+
+def encode_event(event: Event, key: str | None = None) -> dict[str, str]:
+    """The fields of one event entry; with ``key`` (the key of the node the event names),
+    signed in ``sig``: an HMAC-SHA256 over a fixed prefix and the exact bytes of the
+    ``event`` field, which names the node, so the signature binds the event to it."""
+    fields = {"v": ENTRY_VERSION, "event": compact_json(event.to_dict())}
+    if key is not None:
+        fields["sig"] = sign(EVENT_SIG_CONTEXT + fields["event"].encode("utf-8"), key)
+    return fields
+
+
+def event_attested(
+    fields: Mapping[Any, Any], node: str, key_for_node: Callable[[str], str | None]
+) -> bool:
+    """Whether an event entry carries a valid ``sig`` under the key of ``node``: the node the
+    entry's own (decoded) ``event`` field names. False for a missing or bad signature and
+    for a node without a key."""
+    raw, sig = _raw(fields, "event"), _raw(fields, "sig")
+    if raw is None or sig is None or not node:
+        return False
+    key = key_for_node(node)
+    if not key:
+        return False
+    return verify(EVENT_SIG_CONTEXT + raw, sig, key)
 
 
 def _text(fields: Mapping[Any, Any], key: str) -> str | None:

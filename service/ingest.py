@@ -59,6 +59,7 @@ from oomcast.service.pipeline.decode import (
     KeyForNode,
     StreamEntries,
     audit_record,
+    deadletter,
     decode_event_entries,
     decode_sample_entries,
 )
@@ -353,7 +354,12 @@ class Ingestor:
         if stream == self.keys.events:
             group = self.events_group
             decoded = decode_event_entries(
-                stream, entries, self.keys, self.partitions, max_skew_s=self.max_skew_s
+                stream,
+                entries,
+                self.keys,
+                self.partitions,
+                max_skew_s=self.max_skew_s,
+                key_for_node=self.key_for_node,
             )
             evaluated = self.evaluate_events(decoded)
         else:
@@ -389,13 +395,20 @@ class Ingestor:
         """Step 2 for events: an OOM ends its domain's episodes; action reports are audited."""
         out = Evaluated(deadletters=decoded.deadletters)
         now = time.time()
-        for event, fields in decoded.events:
+        for (event, fields), entry_id, attested in zip(
+            decoded.events, decoded.event_ids, decoded.events_attested, strict=True
+        ):
+            why = self.live.why_refused_event(event, attested, now)
+            if why is not None:
+                out.deadletters.append(deadletter(self.keys.events, entry_id, fields, why,
+                                                  "unattested"))  # fmt: skip
+                continue
             self.metrics.events.labels(event=event.event).inc()
             out.alerts.extend(self.live.on_event(event, now))
             if event.event == "oom":  # the domain's forecaster restarted: snapshot it now
                 out.touched.append(event.domain)
             if event.event in AUDITED_EVENTS:
-                out.audit_events.append(audit_record(event.event, fields))
+                out.audit_events.append(audit_record(event.event, fields, attested))
         return out
 
     async def forecast_and_evaluate(self, stream: str, decoded: Decoded) -> Evaluated:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from oomcast.bench.faults import attacks, infra
+from oomcast.bench.faults import attacks, forgeries, infra
 from oomcast.bench.faults.stage import Bench, Scenario
 from oomcast.bench.procs import FaultBenchError
 from oomcast.bench.receiver import DELIVERY_HEADER
@@ -39,6 +39,10 @@ SCENARIOS: dict[str, tuple[ScenarioFn, int, bool]] = {
     "forged_sample": (attacks.forged_sample, 4, True),
     "maxmemory": (infra.maxmemory, 4, False),
     "oversized_body": (attacks.oversized_body, 4, False),
+    "forged_snapshot": (forgeries.forged_snapshot, 4, True),
+    "forged_oom": (forgeries.forged_oom, 4, False),
+    "forged_outbox": (forgeries.forged_outbox, 4, False),
+    "domain_flood": (forgeries.domain_flood, 4, False),
 }
 BAR = ("samples_lost", "alerts_lost", "actions_wrongly_taken")
 

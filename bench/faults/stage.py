@@ -126,10 +126,9 @@ class Scenario:
         )
         return env
 
-    def service(self, replica: str = "a") -> Service:
-        svc = start_service(
-            self.bench.procs, f"{self.name}-{replica}", self.service_env(f"replica-{replica}")
-        )
+    def service(self, replica: str = "a", extra_env: Mapping[str, str] | None = None) -> Service:
+        env = {**self.service_env(f"replica-{replica}"), **(extra_env or {})}
+        svc = start_service(self.bench.procs, f"{self.name}-{replica}", env)
         self.services.append(svc)
         return svc
 

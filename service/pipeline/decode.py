@@ -21,6 +21,7 @@ from oomcast.model.wire import (
     decode_event,
     decode_sample_batch,
     entry_attested,
+    event_attested,
 )
 
 log = logging.getLogger("oomcast.service.ingest")
@@ -60,6 +61,8 @@ class Decoded:
     arrived_ms: list[int] = field(default_factory=list)  # when Redis received each sample
     attested: list[bool] = field(default_factory=list)  # signed by the sample's own node
     events: list[tuple[Event, Fields]] = field(default_factory=list)
+    event_ids: list[str] = field(default_factory=list)  # each event's entry id
+    events_attested: list[bool] = field(default_factory=list)  # signed by the node it names
     deadletters: list[DeadLetter] = field(default_factory=list)
 
 
@@ -70,7 +73,7 @@ REJECT_CODES = (
     "schema",  # a sample breaks the trace format (a name too long, a negative count, ...)
     "ts_skew",  # its ts is too far from when it reached Redis
     "out_of_order",  # not after the previous sample of its domain
-    "unattested",  # unsigned, while the domain's own node signs its samples
+    "unattested",  # unsigned, while the domain's own node signs its samples (or an oom so)
     "wrong_partition",  # in a partition's stream its node does not hash to
     "domain_cap",  # a new domain past the cap on live domains (per node, or in all)
 )
@@ -219,6 +222,15 @@ def _signer(fields: Fields, key_for_node: KeyForNode | None) -> str | None:
     return as_str(fields.get(b"node", fields.get("node", b"")) or b"") or None
 
 
+def _event_signed(fields: Fields, node: str, key_for_node: KeyForNode | None) -> bool:
+    if key_for_node is None:
+        return False
+    try:
+        return event_attested(fields, node, key_for_node)
+    except Exception:  # a malformed signature field is an unsigned event, nothing worse
+        return False
+
+
 def decode_event_entries(
     stream: str,
     entries: StreamEntries,
@@ -227,8 +239,11 @@ def decode_event_entries(
     *,
     max_skew_s: float = 0.0,
     now_ms: int | None = None,
+    key_for_node: KeyForNode | None = None,
 ) -> Decoded:
-    """Step 1 for the events stream: the events of the nodes this replica owns. An event
+    """Step 1 for the events stream: the events of the nodes this replica owns, each marked
+    attested when it carries a valid signature by the node it names (``key_for_node``;
+    without it none is; whether an unattested event counts is the live state's call). An event
     stamped too far from its arrival is dead-lettered like a sample: an ``oom`` at
     ts=1e300 would otherwise make every later sample of its domain "late". An ``oom``
     stamped after its arrival (within the skew allowed) is taken as of its arrival: a job
@@ -254,6 +269,8 @@ def decode_event_entries(
             event = replace(event, ts=arrived)
         if keys.partition_of(event.node) in partitions:  # else another replica's node
             out.events.append((event, fields))
+            out.event_ids.append(as_str(entry_id))
+            out.events_attested.append(_event_signed(fields, event.node, key_for_node))
     return out
 
 
@@ -263,8 +280,10 @@ def _reason(exc: Exception) -> str:
     return f"undecodable entry ({type(exc).__name__}: {exc})"[:500]
 
 
-def audit_record(name: str, fields: Fields) -> dict[str, Any]:
-    """The event as its sender wrote it (with the keys readers do not model), marked so."""
+def audit_record(name: str, fields: Fields, attested: bool = False) -> dict[str, Any]:
+    """The event as its sender wrote it (with the keys readers do not model), marked so, and
+    whether the node it names signed it (``attested``: an unsigned ``action_result`` may be
+    anyone's words)."""
     raw = fields.get(b"event", fields.get("event"))
     try:
         obj = json.loads(raw) if raw is not None else {}
@@ -276,4 +295,5 @@ def audit_record(name: str, fields: Fields) -> dict[str, Any]:
     obj["record"] = "event"
     if "id" in obj:  # the command's id; "id" in /v1/alerts is the audit entry's own
         obj["command_id"] = obj.pop("id")
+    obj["attested"] = attested
     return obj

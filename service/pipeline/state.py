@@ -584,6 +584,21 @@ class LiveState:
             st.rule_matches = tuple(r.match.matches(sample, st.job) for r in self.rules)
         return st.rule_matches
 
+    def why_refused_event(self, event: Event, attested: bool, now: float) -> str | None:
+        """Why an event does not count (None: it does). An ``oom`` not signed by the node it
+        names counts only for a domain that node does not sign the samples of (the in-job
+        hook's own domains, or a deployment without node keys): for a signed domain it
+        would be a stranger ending its episodes and restarting its forecaster at will."""
+        if attested or event.event != "oom":
+            return None
+        st = self.domains.get(event.domain)
+        if st is None or st.attested_at is None or now - st.attested_at > self.attest_window_s:
+            return None
+        return (
+            f"{event.node}/{event.device}: an oom event not signed by node {event.node},"
+            " whose samples of this domain are signed (forged, or sent by another party)"
+        )
+
     def on_event(self, event: Event, now: float) -> list[Alert]:
         """Record an event; an OOM ends the domain's episodes and restarts its forecaster; a
         schedule is kept for the domain's phase forecasts. An event of a new domain past

@@ -122,3 +122,39 @@ def test_cli_bench_faults_refuses_an_unknown_scenario() -> None:
     )
     assert done.returncode == 2
     assert "unknown scenario nope" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cli_bench_faults_forgeries_are_refused_and_their_controls_seen() -> None:
+    """The forgeries of issue 31 against real processes: a snapshot planted while the
+    attacker held the lease, oom events naming another node's domain, items staged in the
+    outbox, and a flood of new domains. Each is refused, and each control shows the bench
+    would have seen the harm."""
+    names = "forged_snapshot,forged_oom,forged_outbox,domain_flood"
+    done = subprocess.run(
+        oomcast_cmd("bench", "faults", "--only", names, "--json"),
+        capture_output=True,
+        text=True,
+        timeout=580,
+    )
+    assert done.stdout, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    got = result["scenarios"]
+    assert result["ok"], json.dumps(result, indent=1)[-3000:]
+    snap = got["forged_snapshot"]
+    assert snap["snapshots_refused"] == 2 and snap["sheds_sent"] == 0
+    assert snap["samples_dropped_as_late_after_forgeries"] == 0
+    assert snap["control_sealed_forgery_restored_and_seen"] is True
+    assert snap["control_victim_ended"] is True and snap["victims_killed"] == 0
+    oom = got["forged_oom"]
+    assert oom["forged_ooms_dead_lettered"] == 4 and oom["forged_ooms_counted"] == 0
+    assert oom["alert_still_firing_after_forgeries"] is True
+    assert oom["control_signed_oom_ended_the_episode"] is True
+    outbox = got["forged_outbox"]
+    assert outbox["forged_items_refused"] == 4 and outbox["forged_items_signed_and_sent"] == 0
+    assert outbox["control_sealed_item_delivered"] is True and outbox["alerts_delivered"] > 0
+    flood = got["domain_flood"]
+    assert flood["flood"]["most_held_at_a_refusal"] == flood["flood"]["cap"]
+    assert flood["flood"]["dead_lettered_domain_cap"] > 0 and flood["samples_lost"] == 0
+    assert done.returncode == 0

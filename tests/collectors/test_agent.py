@@ -16,7 +16,13 @@ from oomcast.collectors.sources.replay import ReplaySource
 from oomcast.model.control import node_key, node_keys
 from oomcast.model.embedding import EMBEDDING_VERSION, FEATURES, N_FEATURES
 from oomcast.model.schema import Event, Record
-from oomcast.model.wire import Keys, decode_event, decode_samples, entry_attested
+from oomcast.model.wire import (
+    Keys,
+    decode_event,
+    decode_samples,
+    entry_attested,
+    event_attested,
+)
 
 
 class ListSource:
@@ -132,7 +138,12 @@ def test_agent_attests_its_own_nodes_samples_only(
     keys = Keys(key_prefix, 1)
     ticks: list[list[Record]] = [
         [sample(1.0, 0.5, node="a", device="gpu0"), sample(1.0, 0.7, node="b", device="gpu0")],
-        [sample(2.0, 0.5, node="a", device="gpu0"), sample(2.0, 0.7, node="b", device="gpu0")],
+        [
+            sample(2.0, 0.5, node="a", device="gpu0"),
+            sample(2.0, 0.7, node="b", device="gpu0"),
+            Event(2.5, "a", "gpu0", "oom"),
+            Event(2.5, "b", "gpu0", "oom"),
+        ],
     ]
     agent = NodeAgent(
         [ListSource(ticks)],
@@ -146,6 +157,16 @@ def test_agent_attests_its_own_nodes_samples_only(
     entries = [f for _, f in rclient.xrange(keys.samples(0))]
     attested = {(f[b"node"], entry_attested(f, node_keys("m"))) for f in entries}
     assert attested == {(b"a", True), (b"b", False)}
+    # its events too: the service counts an oom of a signed domain only when signed
+    events = [decode_event(f) for _, f in rclient.xrange(keys.events)]
+    signed = [
+        event_attested(f, e.node, node_keys("m"))
+        for (_, f), e in zip(rclient.xrange(keys.events), events, strict=True)
+    ]
+    assert [(e.node, ok) for e, ok in zip(events, signed, strict=True)] == [
+        ("a", True),
+        ("b", False),
+    ]
     assert sum("samples of node b are sent unsigned" in r.message for r in caplog.records) == 1
     assert node_key("m", "a") not in repr(agent)
 

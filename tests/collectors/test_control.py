@@ -27,7 +27,7 @@ from oomcast.collectors.control import (
 from oomcast.collectors.metrics import render
 from oomcast.collectors.proof import Measurement
 from oomcast.model.control import Command, new_command, sign_command
-from oomcast.model.wire import Keys, decode_event
+from oomcast.model.wire import Keys, decode_event, event_attested
 
 SECRET = "cluster-control-secret"
 NODE = "node-a"
@@ -98,6 +98,8 @@ class Harness:
         out = []
         for _, fields in self.client.xrange(self.keys.events):
             decode_event(fields)  # a standard event reader takes it
+            # signed with the node's key (the listener's secret), as the service checks
+            assert event_attested(fields, NODE, lambda node: SECRET if node == NODE else None)
             out.append(json.loads(fields[b"event"]))
         return out
 

@@ -120,3 +120,34 @@ def test_redact_url_masks_passwords(url: str, shown: str) -> None:
 
 def test_redact_url_of_an_unparsable_url_still_hides_the_password() -> None:
     assert "hunter2" not in redact_url("redis://:hunter2@[::1/0")
+
+
+def test_a_signed_event_is_attested_for_the_node_it_names_only() -> None:
+    from oomcast.model.schema import Event
+    from oomcast.model.wire import decode_event, encode_event, event_attested
+
+    oom = Event(ts=1e9, node="n1", device="gpu0", event="oom", job="j")
+    fields = encode_event(oom, node_key(MASTER, "n1"))
+    assert event_attested(fields, "n1", KEYS)
+    assert event_attested(as_redis_returns(fields), "n1", KEYS)
+    assert decode_event(fields) == oom  # the signature changes nothing a reader sees
+    # the MAC covers exactly the event field's bytes, with a prefix of its own
+    mac = hmac.new(
+        node_key(MASTER, "n1").encode(),
+        b"oomcast-event-v1\n" + fields["event"].encode(),
+        hashlib.sha256,
+    ).hexdigest()
+    assert fields["sig"] == "sha256=" + mac
+    assert not event_attested(fields, "n2", KEYS)  # not under another node's key
+    other = encode_event(
+        Event(ts=1e9, node="n2", device="gpu0", event="oom"), node_key(MASTER, "n1")
+    )
+    assert not event_attested(other, "n2", KEYS)  # n1's key signing n2's event
+    assert not event_attested(encode_event(oom), "n1", KEYS)  # unsigned
+    tampered = {**fields, "event": fields["event"].replace("gpu0", "gpu1")}
+    assert not event_attested(tampered, "n1", KEYS)
+    assert not event_attested(fields, "n1", lambda node: None)  # a node without a key
+    # a sample entry's signature never passes for an event's, nor the other way round
+    samples = encode_samples("n1", payloads(), key=node_key(MASTER, "n1"))
+    assert not event_attested({**fields, "sig": samples["sig"]}, "n1", KEYS)
+    assert not entry_attested({**samples, "sig": fields["sig"]}, KEYS)

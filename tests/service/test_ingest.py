@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -322,3 +323,68 @@ def test_a_lease_that_lapsed_here_but_was_still_ours_is_taken_afresh(
     first, again = asyncio.run(scenario())
     assert first == {0, 1}
     assert again == {0, 1}, "partitions still ours after a lapse must be restored and claimed"
+
+
+def test_an_oom_event_counts_only_when_the_node_that_signs_its_domain_sent_it(
+    redis_url: str, key_prefix: str, rclient: redis.Redis
+) -> None:
+    """The reported attack: one XADD of an ``oom`` naming another node's domain (with a
+    job's or another node's Redis user) ended its episodes and restarted its forecaster,
+    as often as the attacker liked. Now an ``oom`` for a domain whose node signs its
+    samples must carry that node's signature: a forged one is dead-lettered as
+    ``unattested`` and changes nothing; the node's own signed one ends the job as before;
+    an unsigned one still counts for a domain no node signs (an in-job hook's)."""
+    from oomcast.model.control import node_key
+    from oomcast.model.schema import Event
+    from oomcast.model.wire import encode_event
+
+    secret = "the-master-secret"
+    keys = Keys(key_prefix, 2)
+    key = node_key(secret, "n1")
+    now = time.time()
+    s = app_settings(redis_url, key_prefix, control_secret=secret, max_ts_skew_s=300)
+
+    def signed(ts: float) -> None:
+        rclient.xadd(keys.samples_for("n1"), encode_samples("n1", [payload("n1", "gpu0", ts)], key))  # type: ignore[arg-type]
+
+    def ooms(c: TestClient, device: str) -> int:
+        return int(c.get(f"/v1/devices/n1/{device}").json()["ooms_seen"])
+
+    def unattested() -> list[dict[bytes, bytes]]:
+        return [f for _, f in rclient.xrange(keys.deadletter) if f[b"code"] == b"unattested"]
+
+    with TestClient(create_app(s)) as c:
+        assert wait_until(lambda: c.get("/readyz").status_code == 200)
+        for i in range(3):
+            signed(now - 3 + i)
+        add(rclient, keys, "n1", [payload("n1", "GPU-hook", now)])  # unsigned: a hook's
+        assert wait_until(lambda: seen(c, "n1", "gpu0") == 3 and seen(c, "n1", "GPU-hook") == 1)
+        forged = [
+            encode_event(Event(ts=now, node="n1", device="gpu0", event="oom")),  # unsigned
+            encode_event(
+                Event(ts=now, node="n1", device="gpu0", event="oom"), node_key(secret, "n2")
+            ),  # another node's key
+            {
+                **encode_event(Event(ts=now, node="n1", device="gpu0", event="oom"), key),
+                "sig": "sha256=" + "0" * 64,
+            },
+        ]
+        for fields in forged:
+            rclient.xadd(keys.events, fields)  # type: ignore[arg-type]
+        assert wait_until(lambda: len(unattested()) == 3)
+        assert ooms(c, "gpu0") == 0
+        assert all(b"not signed by node n1" in f[b"reason"] for f in unattested())
+        signed(now + 1)  # the domain was not blinded: its next sample counts
+        assert wait_until(lambda: seen(c, "n1", "gpu0") == 4)
+        # the node's own signed oom counts; an unsigned one for the hook's domain too
+        rclient.xadd(
+            keys.events,
+            encode_event(Event(ts=now + 1.5, node="n1", device="gpu0", event="oom"), key),
+        )  # type: ignore[arg-type]
+        rclient.xadd(
+            keys.events,
+            encode_event(Event(ts=now + 1.5, node="n1", device="GPU-hook", event="oom")),
+        )  # type: ignore[arg-type]
+        assert wait_until(lambda: ooms(c, "gpu0") == 1 and ooms(c, "GPU-hook") == 1)
+        assert len(unattested()) == 3
+        assert 'oomcast_samples_rejected_total{reason="unattested"} 3.0' in c.get("/metrics").text

@@ -2,8 +2,9 @@
 control listener that carries out the service's signed commands; and ``oomcast
 control-key``, which prints a node's key.
 
-The agent's key is ``OOMCAST_NODE_KEY``, its node's own (``oomcast control-key --node
-NAME`` prints it from the master ``OOMCAST_CONTROL_SECRET``). With it the agent attests its
+The agent's key is ``OOMCAST_NODE_KEY`` (or the file ``OOMCAST_NODE_KEY_FILE`` names), its
+node's own (``oomcast control-key --node NAME`` prints it from the master
+``OOMCAST_CONTROL_SECRET``). With it the agent attests its
 samples and takes the service's commands; an agent given the master secret instead derives
 its key from it, and warns: a node should hold only its own key."""
 
@@ -208,13 +209,45 @@ def cmd_collect(args: argparse.Namespace) -> int:
     return 0 if publisher.buffered_samples == 0 else 1
 
 
+def read_key_file(path: str) -> str | None:
+    """The key in ``path`` (surrounding whitespace dropped); None when there is no such file
+    (a node not provisioned yet: the agent runs without a key, and says so). UsageError for
+    a file that cannot be read or holds no key."""
+    log = logging.getLogger(PROG)
+    p = Path(path)
+    if not p.exists():
+        log.warning(
+            "OOMCAST_NODE_KEY_FILE=%s: no such file (this node's key was not provisioned):"
+            " samples go unattested and no command is taken",
+            path,
+        )
+        return None
+    try:
+        key = p.read_text(encoding="utf-8").strip()
+        mode = p.stat().st_mode
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"OOMCAST_NODE_KEY_FILE={path}: cannot read the key ({exc})") from None
+    if not key:
+        raise UsageError(f"OOMCAST_NODE_KEY_FILE={path}: the file is empty, no key in it")
+    if mode & 0o077:
+        log.warning(
+            "OOMCAST_NODE_KEY_FILE=%s is readable by others (mode %o): chmod 0400 it",
+            path,
+            mode & 0o777,
+        )
+    return key
+
+
 def agent_key(env: CommandEnv, node: str) -> str | None:
-    """This agent's key: ``OOMCAST_NODE_KEY``, else derived from the master
-    ``OOMCAST_CONTROL_SECRET`` (with a warning), else None (no attestation, no commands)."""
+    """This agent's key: ``OOMCAST_NODE_KEY``, else the one in ``OOMCAST_NODE_KEY_FILE``,
+    else derived from the master ``OOMCAST_CONTROL_SECRET`` (with a warning), else None (no
+    attestation, no commands)."""
     from oomcast.model.control import node_key
 
     log = logging.getLogger(PROG)
     own = env.node_key.get_secret_value() if env.node_key else None
+    if not own and env.node_key_file:
+        own = read_key_file(env.node_key_file)
     master = env.control_secret.get_secret_value() if env.control_secret else None
     if own:
         if master:

@@ -22,6 +22,9 @@ class CommandEnv(BaseSettings):
     control_secret: SecretStr | None = None
     # This node's own key: verifies the service's commands and signs (attests) its samples.
     node_key: SecretStr | None = None
+    # Or a file holding it: the DaemonSet mounts each node's own from the host
+    # (/etc/oomcast/node-key), so that no agent is handed a secret that signs for another node.
+    node_key_file: str | None = None
     # How far (percentage points of capacity) the agent's own reading of a domain may fall
     # short of the used fraction a live command claims before it refuses it as unconfirmed.
     confirm_tolerance_pp: float = Field(default=5.0, ge=0, le=100)

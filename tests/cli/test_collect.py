@@ -224,6 +224,46 @@ def test_agent_attests_with_its_node_key_and_warns_about_the_master(
     assert MASTER not in err and node_key(MASTER, "n-master") not in err
 
 
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
+def test_agent_reads_its_key_from_the_file_the_daemonset_mounts(
+    redis_url: str, key_prefix: str, tmp_path: Path
+) -> None:
+    """The DaemonSet hands each agent its node's own key as a host file
+    (OOMCAST_NODE_KEY_FILE), never the master secret: with the file it attests; without
+    it (a node not provisioned) it runs unattested and says why; an empty file is refused."""
+    base = {**os.environ, "OOMCAST_KEY_PREFIX": key_prefix, "OOMCAST_REDIS_URL": redis_url}
+    base.pop("OOMCAST_CONTROL_SECRET", None)
+    key_file = tmp_path / "node-key"
+    key_file.write_text(node_key(MASTER, "n-file") + "\n")
+    key_file.chmod(0o400)
+    args = ("--source", "sim", "--gpus", "1", "--interval", "0.1")
+    agent = Agent(tmp_path, {**base, "OOMCAST_NODE_KEY_FILE": str(key_file)}, *args, node="n-file")
+    try:
+        assert wait_until(lambda: len(entries(redis_url, key_prefix, "n-file")) >= 2, 30)
+    finally:
+        err = agent.stop()
+    assert all(
+        entry_attested(f, node_keys(MASTER)) for f in entries(redis_url, key_prefix, "n-file")
+    )
+    assert "readable by others" not in err and node_key(MASTER, "n-file") not in err
+    missing = str(tmp_path / "absent")
+    agent = Agent(tmp_path, {**base, "OOMCAST_NODE_KEY_FILE": missing}, *args, node="n-none")
+    try:
+        assert wait_until(lambda: len(entries(redis_url, key_prefix, "n-none")) >= 2, 30)
+    finally:
+        err = agent.stop()
+    assert not any(
+        entry_attested(f, node_keys(MASTER)) for f in entries(redis_url, key_prefix, "n-none")
+    )
+    assert f"OOMCAST_NODE_KEY_FILE={missing}: no such file" in err, err
+    empty = tmp_path / "empty-key"
+    empty.write_text("\n")
+    r = run(
+        "collect", *args, "--node", "n-empty", env={**base, "OOMCAST_NODE_KEY_FILE": str(empty)}
+    )
+    assert r.returncode == 2 and "the file is empty" in r.stderr, r.stderr
+
+
 HOLD = "import time; print('up', flush=True); time.sleep(120)"
 
 

@@ -656,7 +656,8 @@ def test_oomcast_env_is_known() -> None:
         "OOMCAST_PARTITIONS",
         "OOMCAST_STREAM_MAXLEN",
         "OOMCAST_LOG_LEVEL",
-        "OOMCAST_CONTROL_SECRET",  # verifies the service's commands (collectors/control.py)
+        "OOMCAST_NODE_KEY",  # the node's own key: verifies commands, signs samples
+        "OOMCAST_NODE_KEY_FILE",  # or a file holding it (the DaemonSet's, from the host)
     }
     hook_env = pod_env | {"OOMCAST_REDIS_URL", "OOMCAST_JOB", "OOMCAST_PRIORITY"}
     for _, _, _, c in workloads():
@@ -1091,3 +1092,89 @@ def test_dockerignore_keeps_the_context_small_but_buildable() -> None:
     assert "model/oomcast-lstm.onnx" in needed
     for rel in needed:
         assert not dockerignored(rel), rel
+
+
+# ---------------------------------------------------------------------------------------------
+# Each agent gets its own node's key, never the master secret (issue 31, item 6)
+# ---------------------------------------------------------------------------------------------
+
+
+def _daemonset_objects() -> list[dict[str, Any]]:
+    if shutil.which("kubectl") is not None:
+        out = subprocess.run(
+            ["kubectl", "kustomize", str(KUBE)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        return [d for d in yaml.safe_load_all(out) if d]
+    return [d for d in yaml.safe_load_all((KUBE / "agent-daemonset.yaml").read_text()) if d]
+
+
+def test_the_agent_daemonset_holds_its_nodes_key_file_and_no_master_secret() -> None:
+    """The shipped DaemonSet gave every agent the master control secret, which signs for
+    every node. Now the agent reads its node's own key from a file on the node, mounted read
+    only, and nothing in its pod names the service's Secret."""
+    (ds,) = [d for d in _daemonset_objects() if d["kind"] == "DaemonSet"]
+    spec = ds["spec"]["template"]["spec"]
+    (agent,) = spec["containers"]
+    env = {e["name"]: e for e in agent.get("env", [])}
+    assert "OOMCAST_CONTROL_SECRET" not in env
+    assert "oomcast-service" not in json.dumps(spec)  # the service's Secret, with the master
+    path = env["OOMCAST_NODE_KEY_FILE"]["value"]
+    (mount,) = [m for m in agent["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    assert mount["readOnly"] is True
+    (vol,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert vol["hostPath"]["path"] == mount["mountPath"]
+
+
+def test_provision_node_keys_writes_each_nodes_own_key_only(tmp_path: Path) -> None:
+    """deploy/kubernetes/provision-node-keys.sh, with a stand-in for kubectl (there is no
+    cluster here) that lists two GPU nodes and runs each `kubectl debug node/...` command
+    against a directory per node standing in for the node's root: each node ends up with
+    its own key, mode 0400, and the master secret is written nowhere."""
+    from oomcast.model.control import node_key
+
+    master = "m" * 64
+    roots = tmp_path / "nodes"
+    fake = tmp_path / "bin" / "kubectl"
+    fake.parent.mkdir()
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'case "$1" in\n'
+        '  get) if [ "$2" = nodes ]; then echo -n "gpu-a gpu-b"; fi ;;\n'
+        '  debug) node="${2#node/}"; shift 2\n'
+        '    while [ "$1" != -- ]; do shift; done; shift\n'
+        f'    root="{roots}/$node"; mkdir -p "$root"\n'
+        '    "$1" "$2" "${3//\\/host\\//$root/}" ;;\n'
+        "esac\n"
+    )
+    fake.chmod(0o755)
+    bin_dir = Path(oomcast_bin()).parent
+    env = {"PATH": f"{fake.parent}:{bin_dir}:/usr/bin:/bin", "OOMCAST_CONTROL_SECRET": master}
+    done = subprocess.run(
+        [str(KUBE / "provision-node-keys.sh")], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    for node in ("gpu-a", "gpu-b"):
+        key_file = roots / node / "etc" / "oomcast" / "node-key"
+        assert key_file.read_text().strip() == node_key(master, node)
+        assert key_file.stat().st_mode & 0o777 == 0o400
+    written = "".join(p.read_text() for p in roots.rglob("*") if p.is_file())
+    assert master not in written
+    no_secret = {k: v for k, v in env.items() if k != "OOMCAST_CONTROL_SECRET"}
+    refused = subprocess.run(
+        [str(KUBE / "provision-node-keys.sh")],
+        env=no_secret,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode != 0 and "OOMCAST_CONTROL_SECRET" in refused.stderr
+
+
+def oomcast_bin() -> str:
+    import sys
+
+    return str(Path(sys.executable).parent / "oomcast")

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from oomcast.bench.faults import attacks, forgeries, infra
+from oomcast.bench.faults import attacks, forgeries, infra, receivers
 from oomcast.bench.faults.stage import Bench, Scenario
 from oomcast.bench.procs import FaultBenchError
 from oomcast.bench.receiver import DELIVERY_HEADER
@@ -43,6 +43,7 @@ SCENARIOS: dict[str, tuple[ScenarioFn, int, bool]] = {
     "forged_oom": (forgeries.forged_oom, 4, False),
     "forged_outbox": (forgeries.forged_outbox, 4, False),
     "domain_flood": (forgeries.domain_flood, 4, False),
+    "stalled_receiver": (receivers.stalled_receiver, 4, False),
 }
 BAR = ("samples_lost", "alerts_lost", "actions_wrongly_taken")
 

@@ -126,12 +126,13 @@ def test_cli_bench_faults_refuses_an_unknown_scenario() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_cli_bench_faults_forgeries_are_refused_and_their_controls_seen() -> None:
-    """The forgeries of issue 31 against real processes: a snapshot planted while the
+def test_cli_bench_faults_attacks_are_refused_and_their_controls_seen() -> None:
+    """The attacks of issue 31 against real processes: a snapshot planted while the
     attacker held the lease, oom events naming another node's domain, items staged in the
-    outbox, and a flood of new domains. Each is refused, and each control shows the bench
-    would have seen the harm."""
-    names = "forged_snapshot,forged_oom,forged_outbox,domain_flood"
+    outbox, a flood of new domains, and a webhook receiver that drips its answer and then
+    sends 1 GiB error bodies beside Alertmanager. Each is refused or bounded, and each
+    control shows the bench would have seen the harm."""
+    names = "forged_snapshot,forged_oom,forged_outbox,domain_flood,stalled_receiver"
     done = subprocess.run(
         oomcast_cmd("bench", "faults", "--only", names, "--json"),
         capture_output=True,
@@ -157,4 +158,12 @@ def test_cli_bench_faults_forgeries_are_refused_and_their_controls_seen() -> Non
     flood = got["domain_flood"]
     assert flood["flood"]["most_held_at_a_refusal"] == flood["flood"]["cap"]
     assert flood["flood"]["dead_lettered_domain_cap"] > 0 and flood["samples_lost"] == 0
+    stalled = got["stalled_receiver"]
+    assert stalled["control_stall_held_attempts_to_the_deadline"] is True
+    assert stalled["webhook"]["drip_attempt_held_s_max"] < 7.0  # the 5 s deadline, whole
+    assert stalled["webhook"]["attempts_of_one_delivery_overlapping"] == 0
+    assert stalled["webhook"]["huge_error_attempts"] > 0
+    am = stalled["alertmanager"]
+    assert am["firings_during_faults"] > 0 and am["pushed"] == am["firings_during_faults"]
+    assert am["push_lag_s_max"] <= 2.0 and stalled["alerts_lost"] == 0
     assert done.returncode == 0

@@ -128,6 +128,12 @@ class Metrics:
         self.domains = Gauge(
             "oomcast_domains_live", "Memory domains with a live forecast", registry=r
         )
+        self.domains_held = Gauge(
+            "oomcast_domains_held",
+            "Memory domains this replica holds state for, live or silent until they expire:"
+            " what OOMCAST_MAX_DOMAINS caps",
+            registry=r,
+        )
         # Set at each scrape from the live state (not per sample): how the fleet stands now.
         self.domains_by_risk = Gauge(
             "oomcast_domains_by_risk",

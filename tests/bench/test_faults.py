@@ -157,7 +157,9 @@ def test_cli_bench_faults_attacks_are_refused_and_their_controls_seen() -> None:
     assert outbox["control_sealed_item_delivered"] is True and outbox["alerts_delivered"] > 0
     flood = got["domain_flood"]
     assert flood["flood"]["most_held_at_a_refusal"] == flood["flood"]["cap"]
-    assert flood["flood"]["dead_lettered_domain_cap"] > 0 and flood["samples_lost"] == 0
+    assert flood["flood"]["refused_domain_cap"] >= flood["flood"]["domains_posted"] - 4000
+    rss = flood["service_rss_mb"]  # the bench's own bar, read back: memory came back
+    assert rss["after_expiry"] - rss["before"] <= 40 and flood["samples_lost"] == 0
     stalled = got["stalled_receiver"]
     assert stalled["control_stall_held_attempts_to_the_deadline"] is True
     assert stalled["webhook"]["drip_attempt_held_s_max"] < 7.0  # the 5 s deadline, whole

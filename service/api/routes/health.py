@@ -140,6 +140,7 @@ async def metrics(ctx: Ctx) -> Response:
     """The service's Prometheus metrics."""
     live = ctx.live.ranked(time.time(), ctx.settings.live_after_s)
     ctx.metrics.domains.set(len(live))
+    ctx.metrics.domains_held.set(len(ctx.live.domains))
     ctx.metrics.domain_forecasts(
         [
             DomainRow(

@@ -74,6 +74,27 @@ def test_silent_domains_expire_and_a_firing_one_is_resolved() -> None:
     assert st.domains == {}
 
 
+def test_an_expired_domain_is_held_nowhere_not_even_by_the_devices_rank_cache() -> None:
+    """A flood of domains that expired kept ~90 MB in `oomcast serve`: /v1/devices' rank
+    cache still referenced their states until the next unfiltered query, so neither the
+    expiry's collection nor a second flood got the memory back."""
+    import gc
+
+    from oomcast.service.api.device_query import DeviceFilter
+
+    st = live_state()
+    st.apply([sample(1.0, 0.3, device=f"gpu{i}") for i in range(50)], now=100.0)
+    assert st.query(100.0, 60.0, DeviceFilter(), limit=10).total == 50
+    cache = st.__dict__["_rank_cache"]
+    assert len(cache.entries) == 50
+    held = [id(d) for d in st.domains.values()]
+    st.expire(now=200.0, live_after_s=60.0)
+    assert st.domains == {} and cache.entries == {}
+    gc.collect()
+    alive = {id(o) for o in gc.get_objects() if type(o).__name__ == "DomainState"}
+    assert not alive & set(held)
+
+
 def test_a_new_job_on_the_device_starts_from_a_clean_forecaster_state() -> None:
     from oomcast.model.runtime import DEFAULT_MODEL, OnnxForecaster
 

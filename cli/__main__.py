@@ -2,6 +2,6 @@
 
 import sys
 
-from oomcast.cli.main import main
+from oomcast.cli.entry import main
 
 sys.exit(main())

@@ -166,7 +166,19 @@ def forged_command(b: Bench, sc: Scenario) -> dict[str, Any]:
     sc.figures["refusals_on_record"] = on_record()
     recovery = sc.recovered_after(svc, [NODE], fault_end)
     # the control: the same command, signed with the node's key, must end the victim
-    control = _shed_command()
+    control_shed(b, sc, node, USED, "a refused command")
+    time.sleep(SETTLE_S)
+    out = sc.conclude()
+    out["recovery_s"] = recovery
+    return out
+
+
+def control_shed(b: Bench, sc: Scenario, node: Node, used: int, stopped: str) -> None:
+    """The control of the node scenarios: a live shed claiming ``used`` bytes, signed with
+    the node's key, must end the victim, so that a victim left alive means the attack
+    (``stopped``) was stopped, not that a shed would have done nothing."""
+    control = _shed_command(used)
+    stream = sc.keys.control(NODE)
     sc.client.xadd(stream, cast(Any, sign_command(control, node_key(b.master_secret, NODE))))
     sc.allowed_commands.add(control["id"])
     taken = wait_until(lambda: not node.victim_alive(), 15)
@@ -174,12 +186,8 @@ def forged_command(b: Bench, sc: Scenario) -> dict[str, Any]:
     if not taken:
         sc.problems.append(
             "the control (a properly signed shed) did not end the victim: the bench cannot"
-            " tell a refused command from one that would have done nothing"
+            f" tell {stopped} from one that would have done nothing"
         )
-    time.sleep(SETTLE_S)
-    out = sc.conclude()
-    out["recovery_s"] = recovery
-    return out
 
 
 def _forged_entry(

@@ -26,10 +26,10 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 
 from oomcast.bench.faults import ledger
-from oomcast.bench.faults.attacks import DEVICE, LIMIT, NODE, SETTLE_S, Node, _shed_command
+from oomcast.bench.faults.attacks import DEVICE, LIMIT, NODE, SETTLE_S, Node, control_shed
 from oomcast.bench.faults.stage import Bench, Scenario
 from oomcast.bench.procs import Service, wait_until
-from oomcast.model.control import node_key, sign_command
+from oomcast.model.control import node_key
 from oomcast.model.schema import Event
 from oomcast.model.text import as_str
 from oomcast.model.wire import encode_event
@@ -89,22 +89,6 @@ def _shed_records(sc: Scenario) -> list[Any]:
         and isinstance(r.get("dispatched"), dict)
         and "shed" in r["dispatched"]
     ]
-
-
-def _control_shed(b: Bench, sc: Scenario, node: Node) -> None:
-    """The control every node scenario ends with: a shed signed with the node's key ends the
-    victim, so the bench would have seen one that a forgery caused."""
-    control = _shed_command(used=int(0.6 * LIMIT))
-    stream = sc.keys.control(NODE)
-    sc.client.xadd(stream, cast(Any, sign_command(control, node_key(b.master_secret, NODE))))
-    sc.allowed_commands.add(control["id"])
-    taken = wait_until(lambda: not node.victim_alive(), 15)
-    sc.figures["control_victim_ended"] = taken
-    if not taken:
-        sc.problems.append(
-            "the control (a properly signed shed) did not end the victim: the bench cannot"
-            " tell a stopped attack from one that would have done nothing"
-        )
 
 
 # --- a forged state snapshot -------------------------------------------------------------------
@@ -227,7 +211,7 @@ def forged_snapshot(b: Bench, sc: Scenario) -> dict[str, Any]:
         sc.victims_killed = 1
     if not node.victim_alive():
         sc.victims_killed = 1
-    _control_shed(b, sc, node)
+    control_shed(b, sc, node, int(0.6 * LIMIT), "a stopped attack")
     time.sleep(SETTLE_S)
     out = sc.conclude()
     out["recovery_s"] = recovery

@@ -117,3 +117,26 @@ def test_a_bad_setting_names_its_variable_and_value() -> None:
         oomcast_cmd("serve", "--port", "1"), env=env, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 2 and "hunter2" not in out.stderr
+
+
+def test_a_base_install_without_an_extra_says_which_to_install() -> None:
+    """The base package is the in-job hook's (numpy, redis, orjson): the command itself
+    needs pydantic, from an extra. Without it, `oomcast` said ModuleNotFoundError in a
+    traceback; it says what to install, and exits 2."""
+    code = (
+        "import sys; sys.modules['pydantic'] = None;"
+        " from oomcast.cli.entry import main; sys.exit(main())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert "needs pydantic" in done.stderr and "pip install 'oomcast[collector]'" in done.stderr
+    assert "Traceback" not in done.stderr
+    ok = subprocess.run(
+        [sys.executable, "-m", "oomcast.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ok.returncode == 0 and ok.stdout.strip(), ok.stderr

@@ -133,6 +133,12 @@ def read_status(pid: int) -> dict[str, int]:
     return out
 
 
+def rss_mib(pid: int) -> float | None:
+    """A process's resident memory in MiB (one decimal), None when it cannot be read."""
+    rss = read_status(pid).get("VmRSS")
+    return None if rss is None else round(rss / (1 << 20), 1)
+
+
 class RedisServer:
     """A private ``redis-server`` on a free port: the one way the tests, the benches and the
     demo start one. ``persist=True`` gives it an append-only file (``appendfsync everysec``:

@@ -30,7 +30,7 @@ from oomcast.bench.faults.stage import (
     batch_ids,
     http_batch,
 )
-from oomcast.bench.procs import read_status, wait_until
+from oomcast.bench.procs import Service, read_status, wait_until
 from oomcast.model.control import new_command, node_key, sign_command
 from oomcast.model.text import as_str
 from oomcast.model.wire import answer, encode_samples
@@ -89,6 +89,14 @@ class Node:
     def victim_alive(self) -> bool:
         return self.victim.poll() is None
 
+    def set_used(self, frac: float) -> None:
+        """The cgroup's use, as the agent reads it next: ``frac`` of the limit."""
+        used = int(frac * LIMIT)
+        job = self.root / "job"
+        for name in ("memory.current", "memory.peak"):
+            (job / name).write_text(f"{used}\n")
+        (job / "memory.stat").write_text(f"anon {used}\nfile 4096\nkernel 8192\nsock 0\n")
+
 
 def _shed_command(used: int = USED) -> dict[str, Any]:
     """A live shed of the victim. With the default claim the node's own reading confirms
@@ -122,8 +130,12 @@ def _forged_commands(b: Bench) -> list[tuple[str, dict[str, str]]]:
     ]
 
 
-def _started(b: Bench, sc: Scenario) -> tuple[Node, Any]:
+def started(b: Bench, sc: Scenario, used_frac: float | None = None) -> tuple[Node, Service]:
+    """The cgroup node (at ``used_frac`` of its limit, else 40 %), a service and the node's
+    agent, once the service has forecast the domain."""
     node = Node(b, sc)
+    if used_frac is not None:
+        node.set_used(used_frac)
     svc = sc.service()
     sc.agent(NODE, node.agent_args())
     if not wait_until(lambda: (sc.newest_forecast(svc, NODE) or 0) > 0, 30):
@@ -134,7 +146,7 @@ def _started(b: Bench, sc: Scenario) -> tuple[Node, Any]:
 def forged_command(b: Bench, sc: Scenario) -> dict[str, Any]:
     """Live shed commands XADDed straight to the node's control stream, signed with a wrong
     key, with another node's key, and unsigned; then one signed properly (the control)."""
-    node, svc = _started(b, sc)
+    node, svc = started(b, sc)
     stream = sc.keys.control(NODE)
     sent = {}
     for kind, fields in _forged_commands(b):
@@ -221,7 +233,7 @@ def forged_sample(b: Bench, sc: Scenario) -> dict[str, Any]:
     one with a bogus signature, and samples stamped ts=1e300, one for the signed domain and
     one for a domain whose samples come over HTTP, unsigned, whose later samples must still
     be forecast."""
-    node, svc = _started(b, sc)
+    node, svc = started(b, sc)
     http_node = "bf-http"
     with b.http() as http:
 

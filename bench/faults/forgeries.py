@@ -18,17 +18,15 @@ import json
 import re
 import secrets
 import time
-from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any, cast
 
 import redis.asyncio as aioredis
 
 from oomcast.bench.faults import ledger
-from oomcast.bench.faults.attacks import DEVICE, LIMIT, NODE, SETTLE_S, Node, control_shed
+from oomcast.bench.faults.attacks import DEVICE, LIMIT, NODE, SETTLE_S, control_shed, started
 from oomcast.bench.faults.stage import Bench, Scenario
-from oomcast.bench.procs import Service, wait_until
+from oomcast.bench.procs import Service, rss_mib, wait_until
 from oomcast.model.control import node_key
 from oomcast.model.schema import Event
 from oomcast.model.text import as_str
@@ -38,36 +36,26 @@ from oomcast.service.cluster.snapshot import MAGIC, field_of, seal, snapshot_key
 from oomcast.service.delivery.outbox import Delivery, Outbox, outbox_keys
 
 LEASE_STOLEN_MS = 4000  # as in the report: the attacker holds the lease this long
+REFUSED = "oomcast_snapshots_refused_total"
+LATE = "oomcast_late_samples_total"
 
 
-def _set_used(node: Node, frac: float) -> None:
-    used = int(frac * LIMIT)
-    job = node.root / "job"
-    for name in ("memory.current", "memory.peak"):
-        (job / name).write_text(f"{used}\n")
-    (job / "memory.stat").write_text(f"anon {used}\nfile 4096\nkernel 8192\nsock 0\n")
-
-
-def _start(b: Bench, sc: Scenario, frac: float) -> tuple[Node, Service]:
-    node = Node(b, sc)
-    _set_used(node, frac)
-    svc = sc.service()
-    sc.agent(NODE, node.agent_args())
-    if not wait_until(lambda: (sc.newest_forecast(svc, NODE) or 0) > 0, 30):
-        sc.problems.append("the cgroup domain was never forecast")
-    return node, svc
-
-
-def _device(b: Bench, svc: Service) -> dict[str, Any] | None:
-    try:
-        with b.http() as http:
-            devices = http.get(f"{svc.base}/v1/devices", timeout=3).json()["devices"]
-    except Exception:  # down, or mid-restart: nothing to read this time
-        return None
-    for d in devices:
+def _device(sc: Scenario, svc: Service) -> dict[str, Any] | None:
+    """The cgroup domain as ``GET /v1/devices`` shows it, or None."""
+    for d in sc.devices(svc) or []:
         if d.get("node") == NODE and d.get("device") == DEVICE:
-            return cast(dict[str, Any], d)
+            return d
     return None
+
+
+def _metric(svc: Service, name: str) -> float:
+    """One of the service's metrics, summed over its labels (0 when it has none)."""
+    got = svc.metrics()
+    return sum(v for k, v in got.items() if k == name or k.startswith(name + "{"))
+
+
+def _grew(svc: Service, name: str, floor: float) -> bool:
+    return _metric(svc, name) > floor
 
 
 def _deadletters(sc: Scenario, code: str) -> list[dict[bytes, bytes]]:
@@ -134,10 +122,6 @@ def _steal_and_plant(
     return round(time.time() - t0, 1) if back else None
 
 
-def _above(counter: Callable[[str], float], name: str, floor: float) -> bool:
-    return counter(name) > floor
-
-
 def forged_snapshot(b: Bench, sc: Scenario) -> dict[str, Any]:
     """The report's attack on a live shed rule: the attacker takes the partition's lease
     and writes the domain's snapshot (its shed episode firing, its last OOM at 1e12); the
@@ -147,7 +131,7 @@ def forged_snapshot(b: Bench, sc: Scenario) -> dict[str, Any]:
     the same forgery sealed with the service's own key, its last OOM 30 s ahead (within
     the bound on restored times), is restored, and the bench sees its harm: the domain's
     samples dropped as late. Then a signed shed ends the victim."""
-    node, svc = _start(b, sc, 0.6)  # over the shed rule's 50% target, under its 90% bar
+    node, svc = started(b, sc, 0.6)  # over the shed rule's 50% target, under its 90% bar
     p = sc.keys.partition_of(NODE)
     key, lease, field = (
         f"{sc.keys.prefix}:snapshot:{{{p}}}",
@@ -161,10 +145,6 @@ def forged_snapshot(b: Bench, sc: Scenario) -> dict[str, Any]:
     real = stored.partition(b"\n")[2] if stored.startswith(b"sha256=") else stored
     sc.figures["real_snapshot_sealed"] = stored.startswith(b"sha256=")
 
-    def counter(name: str) -> float:  # summed over its labels
-        got = svc.metrics()
-        return sum(v for k, v in got.items() if k == name or k.startswith(name + "{"))
-
     forged = {
         "unsealed": _forged_blob(real, time.time(), 1e12),
         "sealed_with_attackers_key": seal(
@@ -173,19 +153,17 @@ def forged_snapshot(b: Bench, sc: Scenario) -> dict[str, Any]:
     }
     retaken: dict[str, float | None] = {}
     for kind, blob in forged.items():
-        before = counter("oomcast_snapshots_refused_total")
+        before = _metric(svc, REFUSED)
         retaken[kind] = _steal_and_plant(sc, svc, blob, field, key, lease)
-        counted = wait_until(
-            partial(_above, counter, "oomcast_snapshots_refused_total", before), 15, 0.2
-        )
+        counted = wait_until(partial(_grew, svc, REFUSED, before), 15, 0.2)
         if not counted:
             sc.problems.append(f"the {kind} snapshot was not refused (or not counted)")
     fault_end = time.time()
     sc.figures["lease_retaken_after_s"] = retaken
-    sc.figures["snapshots_refused"] = counter("oomcast_snapshots_refused_total")
+    sc.figures["snapshots_refused"] = _metric(svc, REFUSED)
     recovery = sc.recovered_after(svc, [NODE], fault_end)
     time.sleep(SETTLE_S)  # a shed restored from a forgery would have gone by now
-    late = counter("oomcast_late_samples_total")
+    late = _metric(svc, LATE)
     sc.figures["samples_dropped_as_late_after_forgeries"] = late
     if late:
         sc.problems.append(f"{late:g} samples were dropped as late: a forged time was restored")
@@ -198,7 +176,7 @@ def forged_snapshot(b: Bench, sc: Scenario) -> dict[str, Any]:
     own = snapshot_keys(b.master_secret, b.webhook_secret)
     sealed = seal(_forged_blob(real, time.time(), 30.0), own, p, field)
     _steal_and_plant(sc, svc, sealed, field, key, lease)
-    harm = wait_until(lambda: counter("oomcast_late_samples_total") > late, 20, 0.2)
+    harm = wait_until(partial(_grew, svc, LATE, late), 20, 0.2)
     sc.figures["control_sealed_forgery_restored_and_seen"] = harm
     if not harm:
         sc.problems.append(
@@ -221,8 +199,8 @@ def forged_snapshot(b: Bench, sc: Scenario) -> dict[str, Any]:
 # --- forged oom events -------------------------------------------------------------------------
 
 
-def _ooms_seen(b: Bench, svc: Service) -> int | None:
-    d = _device(b, svc)
+def _ooms_seen(sc: Scenario, svc: Service) -> int | None:
+    d = _device(sc, svc)
     return None if d is None else int(d.get("ooms_seen", 0))
 
 
@@ -244,10 +222,10 @@ def forged_oom(b: Bench, sc: Scenario) -> dict[str, Any]:
     the node carried over to this one. None may count: the domain's episode stays open, its
     samples keep being forecast, each forgery is dead-lettered (``unattested``). The
     control: the node's own signed ``oom`` counts and ends the episode."""
-    node, svc = _start(b, sc, 0.4)
-    _set_used(node, 0.95)
+    node, svc = started(b, sc, 0.4)
+    node.set_used(0.95)
     fired = wait_until(
-        lambda: bool((_device(b, svc) or {}).get("alert", {}).get("firing")), 30, 0.2
+        lambda: bool((_device(sc, svc) or {}).get("alert", {}).get("firing")), 30, 0.2
     )
     if not fired:
         sc.problems.append("the domain at 95% never fired: nothing for a forged oom to end")
@@ -281,10 +259,10 @@ def forged_oom(b: Bench, sc: Scenario) -> dict[str, Any]:
     sc.figures["forged_ooms_dead_lettered"] = len(_deadletters(sc, "unattested"))
     recovery = sc.recovered_after(svc, [NODE], fault_end)
     time.sleep(SETTLE_S)
-    counted, ended = _ooms_seen(b, svc), _resolved_by_oom(sc)
+    counted, ended = _ooms_seen(sc, svc), _resolved_by_oom(sc)
     sc.figures["forged_ooms_counted"] = counted
     sc.figures["episodes_ended_by_forged_ooms"] = ended
-    still = bool((_device(b, svc) or {}).get("alert", {}).get("firing"))
+    still = bool((_device(sc, svc) or {}).get("alert", {}).get("firing"))
     sc.figures["alert_still_firing_after_forgeries"] = still
     if counted != 0 or ended or not still:
         sc.problems.append(
@@ -301,14 +279,14 @@ def forged_oom(b: Bench, sc: Scenario) -> dict[str, Any]:
             ),
         ),
     )
-    control = wait_until(lambda: _ooms_seen(b, svc) == 1 and _resolved_by_oom(sc) == 1, 15, 0.2)
+    control = wait_until(lambda: _ooms_seen(sc, svc) == 1 and _resolved_by_oom(sc) == 1, 15, 0.2)
     sc.figures["control_signed_oom_ended_the_episode"] = control
     if not control:
         sc.problems.append(
             "the control (the node's own signed oom) did not end the episode: the bench"
             " cannot tell a refused oom from one that would have done nothing"
         )
-    _set_used(node, 0.4)
+    node.set_used(0.4)
     time.sleep(SETTLE_S)
     out = sc.conclude()
     out["recovery_s"] = recovery
@@ -424,16 +402,6 @@ FLOOD_LIVE_AFTER_S = 20.0  # how long a silent domain stays live here (so expiry
 HELD = re.compile(r"(\d+) domains are held")
 
 
-def _rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        return None
-    return None
-
-
 def _flood_batch(post: int, ts: float) -> list[dict[str, Any]]:
     gib = 1 << 30
     return [
@@ -491,24 +459,20 @@ def domain_flood(b: Bench, sc: Scenario) -> dict[str, Any]:
         sc.problems.append("the real node was never forecast")
     time.sleep(2.0)
 
-    def metric(name: str) -> float:
-        got = svc.metrics()
-        return sum(v for k, v in got.items() if k == name or k.startswith(name + "{"))
-
     def refused() -> float:
-        return metric('oomcast_samples_rejected_total{reason="domain_cap"}')
+        return _metric(svc, 'oomcast_samples_rejected_total{reason="domain_cap"}')
 
     def held() -> float:
-        return metric("oomcast_domains_held")
+        return _metric(svc, "oomcast_domains_held")
 
-    rss: dict[str, float | None] = {"before": _rss_mb(svc.pid)}
+    rss: dict[str, float | None] = {"before": rss_mib(svc.pid)}
     p50 = {"before": _devices_p50_ms(b, svc)}
     posted = _post_flood(b, sc, svc, 0)
     fault_end = time.time()
     wait_until(lambda: ledger.drained(sc.client, sc.keys), 90, 0.5)
     reasons = [as_str(f.get(b"reason", b"")) for f in _deadletters(sc, "domain_cap")]
     most = max((int(m.group(1)) for m in (HELD.search(r) for r in reasons) if m), default=None)
-    rss["at_cap"] = _rss_mb(svc.pid)
+    rss["at_cap"] = rss_mib(svc.pid)
     p50["at_cap"] = _devices_p50_ms(b, svc)
     sc.figures["flood"] = {
         "domains_posted": posted,
@@ -528,7 +492,7 @@ def domain_flood(b: Bench, sc: Scenario) -> dict[str, Any]:
     recovery = sc.recovered_after(svc, ["bf-node-1"], fault_end)
     # the flood's domains fall silent and expire; a second flood comes
     gone = wait_until(lambda: held() < 100, FLOOD_LIVE_AFTER_S + 60.0, 1.0)
-    rss["after_expiry"] = _rss_mb(svc.pid)
+    rss["after_expiry"] = rss_mib(svc.pid)
     sc.figures["domains_held_after_expiry"] = held()
     if not gone:
         sc.problems.append("the flood's domains never expired")
@@ -539,7 +503,7 @@ def domain_flood(b: Bench, sc: Scenario) -> dict[str, Any]:
         )
     _post_flood(b, sc, svc, 1)
     wait_until(lambda: ledger.drained(sc.client, sc.keys), 90, 0.5)
-    rss["at_cap_again"] = _rss_mb(svc.pid)
+    rss["at_cap_again"] = rss_mib(svc.pid)
     sc.figures["service_rss_mb"] = rss
     sc.figures["devices_limit100_p50_ms"] = p50
     before, at_cap = rss["before"] or 0.0, rss["at_cap"] or 0.0

@@ -18,9 +18,8 @@ from itertools import pairwise
 from typing import Any
 
 from oomcast.bench.faults import ledger
-from oomcast.bench.faults.forgeries import _rss_mb
 from oomcast.bench.faults.stage import Bench, Scenario
-from oomcast.bench.procs import wait_until
+from oomcast.bench.procs import rss_mib, wait_until
 from oomcast.bench.receiver import AlertmanagerStandIn
 
 NODE = "bf-node-1"
@@ -65,10 +64,10 @@ def _stalled(b: Bench, sc: Scenario, am: AlertmanagerStandIn) -> dict[str, Any]:
     b.receiver.mode = "drip"
     stall_start = time.time()
     time.sleep(STALL_S)
-    rss_before = _rss_mb(svc.pid)
+    rss_before = rss_mib(svc.pid)
     b.receiver.mode = "huge_error"
     time.sleep(HUGE_S)
-    rss_after = _rss_mb(svc.pid)
+    rss_after = rss_mib(svc.pid)
     b.receiver.mode = "ok"
     fault_end = time.time()
     attempts = list(b.receiver.attempts)

@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -149,14 +149,18 @@ class Scenario:
 
     # --- observing ------------------------------------------------------------------------
 
-    def newest_forecast(self, svc: Service, node: str) -> float | None:
-        """The ts of the newest sample of ``node`` that ``svc`` has forecast."""
+    def devices(self, svc: Service) -> list[dict[str, Any]] | None:
+        """``svc``'s ``GET /v1/devices`` (its first page); None when it did not answer."""
         try:
             with self.bench.http() as http:
-                devices = http.get(f"{svc.base}/v1/devices", timeout=3).json()["devices"]
+                got = http.get(f"{svc.base}/v1/devices", timeout=3).json()["devices"]
         except (httpx.HTTPError, ValueError, KeyError):
             return None
-        seen = [float(d["observed_at"]) for d in devices if d.get("node") == node]
+        return cast(list[dict[str, Any]], got)
+
+    def newest_forecast(self, svc: Service, node: str) -> float | None:
+        """The ts of the newest sample of ``node`` that ``svc`` has forecast."""
+        seen = [float(d["observed_at"]) for d in self.devices(svc) or [] if d.get("node") == node]
         return max(seen) if seen else None
 
     def caught_up(self, svc: Service, nodes: Sequence[str], since: float) -> Check:

@@ -364,11 +364,7 @@ class LiveState:
             result.rejected.append(Rejected(sample, problem, "domain_cap"))
             return None
         st = self._state(sample.domain)
-        if (
-            not attested
-            and st.attested_at is not None
-            and now - st.attested_at <= self.attest_window_s
-        ):
+        if not attested and self._node_signs(st, now):
             problem = SchemaError(
                 "",
                 f"{sample.node}/{sample.device}: node {sample.node} signs its samples, and this"
@@ -589,6 +585,11 @@ class LiveState:
             st.rule_matches = tuple(r.match.matches(sample, st.job) for r in self.rules)
         return st.rule_matches
 
+    def _node_signs(self, st: DomainState, now: float) -> bool:
+        """Whether the domain's own node has signed a sample of it within the attestation
+        window: then nothing unsigned may speak for the domain."""
+        return st.attested_at is not None and now - st.attested_at <= self.attest_window_s
+
     def why_refused_event(self, event: Event, attested: bool, now: float) -> str | None:
         """Why an event does not count (None: it does). An ``oom`` not signed by the node it
         names counts only for a domain that node does not sign the samples of (the in-job
@@ -597,7 +598,7 @@ class LiveState:
         if attested or event.event != "oom":
             return None
         st = self.domains.get(event.domain)
-        if st is None or st.attested_at is None or now - st.attested_at > self.attest_window_s:
+        if st is None or not self._node_signs(st, now):
             return None
         return (
             f"{event.node}/{event.device}: an oom event not signed by node {event.node},"

@@ -8,6 +8,7 @@ service image (no torch) both run this entry point:
 - ``preflight``: ``preflight`` (will a job fit a GPU; imports torch only when it runs)
 - ``check``: ``check`` (settings, rules, model and Redis, before a deploy)
 - ``explain``: ``explain`` (a diagnosis bundle or a PyTorch memory snapshot)
+- ``top``, ``report``: a running service's fleet, and its scorecard (over its REST API)
 
 No module here imports the service, the training code, preflight or the harnesses at import
 time: each command imports what it runs, so the collector's image (no ``service/``) runs
@@ -30,6 +31,7 @@ from oomcast.cli import check as cli_check
 from oomcast.cli import collect as cli_collect
 from oomcast.cli import explain as cli_explain
 from oomcast.cli import preflight as cli_preflight
+from oomcast.cli import report as cli_report
 from oomcast.cli import serve as cli_service
 from oomcast.cli import top as cli_top
 from oomcast.cli import training as cli_training
@@ -73,6 +75,7 @@ def build_parser(env: CommandEnv | None = None) -> argparse.ArgumentParser:
     cli_check.add_parser(sub)
     cli_explain.add_parser(sub)
     cli_top.add_parser(sub, env)
+    cli_report.add_parser(sub, env)
     _explain_every_command(sub)
     return p
 

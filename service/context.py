@@ -20,6 +20,7 @@ from oomcast.service.metrics import Metrics
 from oomcast.service.pipeline.actions import Dispatcher
 from oomcast.service.pipeline.rules import Rule
 from oomcast.service.pipeline.state import LiveState
+from oomcast.service.scorecard import OutcomeStore
 from oomcast.service.settings import Settings
 
 HEALTH_TIMEOUT_S = 1.0
@@ -84,6 +85,7 @@ class ServiceContext:
     deliveries: Deliveries
     rules: list[Rule] = field(default_factory=list)
     dispatcher: Dispatcher | None = None
+    outcomes: OutcomeStore | None = None  # the scorecard's store (service/scorecard.py)
     forecaster_kind: str = "baseline"  # "model", "baseline" or "fallback"
     forecaster_reason: str = ""
     provider: str = "python"

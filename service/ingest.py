@@ -63,9 +63,11 @@ from oomcast.service.pipeline.decode import (
     decode_event_entries,
     decode_sample_entries,
 )
+from oomcast.service.pipeline.outcomes import Outcome
 from oomcast.service.pipeline.read import read_new
 from oomcast.service.pipeline.rules import Alert
 from oomcast.service.pipeline.state import LiveState
+from oomcast.service.scorecard import OutcomeStore, added
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +113,7 @@ class Ingestor:
         snapshot_every_s: float = 5.0,
         snapshot_history: int = 32,
         dispatcher: AlertDispatcher,
+        outcomes: OutcomeStore | None = None,
     ) -> None:
         self.client = client
         self.keys = keys
@@ -145,6 +148,10 @@ class Ingestor:
         self.last_ok = 0.0  # monotonic time of the last Redis round trip that worked
         # Records and commands not yet written (Redis failed): they go with the next batch.
         self._unwritten = Commit()
+        # Outcomes decided and not yet on record (service/scorecard.py); they go with the
+        # next batch when Redis fails, and are counted once whenever they are written.
+        self.outcome_store = outcomes
+        self._outcomes: list[Outcome] = []
         self._last_claim = 0.0
         self._to_take: set[int] = set()  # acquired, not yet restored and claimed
         self._last_expire = time.monotonic()
@@ -470,12 +477,18 @@ class Ingestor:
         records, commands = self._unwritten.records, self._unwritten.commands
         deliveries = self._unwritten.deliveries
         outbox = self.dispatcher.outbox
-        if records or deliveries or batch.deadletters or snaps:
+        outcomes = self._outcomes
+        outcomes.extend(self.live.take_outcomes())
+        store = self.outcome_store
+        if records or deliveries or batch.deadletters or snaps or outcomes:
             # Records first, in their own round trip: a pipeline runs every command even when
             # one fails, and neither the commands nor the ack may go unless the records did.
             # Deliveries in the same round trip: owed before the first try, and never on
             # record without being owed.
             pipe = self.client.pipeline(transaction=False)
+            # Outcomes ahead of the snapshots that no longer hold what decided them (an OOM
+            # is not seen again by a successor restoring a snapshot made after it).
+            n = store.stage(pipe, outcomes) if store is not None else 0
             if deliveries and outbox is not None:
                 outbox.stage(pipe, deliveries, time.time())
             for record in records:
@@ -494,7 +507,9 @@ class Ingestor:
                 )
             # Snapshots too: a successor must find an episode fired here already firing.
             self.ownership.stage(pipe, snaps)
-            await pipe.execute()
+            results = await pipe.execute()
+            self._count_outcomes(outcomes, added(results[:n]) if store else [True] * len(outcomes))
+            outcomes.clear()
             records.clear()
             self._unwritten.snapshots = Snapshots()
             if deliveries and outbox is not None:
@@ -511,6 +526,18 @@ class Ingestor:
                 )
             await pipe.execute()
             commands.clear()
+
+    def _count_outcomes(self, outcomes: list[Outcome], added: list[bool]) -> None:
+        """Count the outcomes that went on record now (not those already there)."""
+        for o, new in zip(outcomes, added, strict=True):
+            if not new:
+                continue
+            if o.outcome == "exposure":
+                self.metrics.watched.labels(o.role, o.model_version, o.kind).inc(o.seconds)
+            else:
+                self.metrics.outcomes.labels(
+                    o.role, o.model_version, o.outcome, o.oom_class or "", o.warned or "", o.kind
+                ).inc()
 
     async def acknowledge(self, stream: str, group: str, ids: list[bytes | str]) -> None:
         """Step 5: the entries are done with, their effects recorded."""

@@ -30,6 +30,7 @@ from oomcast.service.api.routes import (
     predict,
     rules,
     samples,
+    scorecard,
 )
 from oomcast.service.cluster.leases import partition_owner
 from oomcast.service.cluster.snapshot import SnapshotStore, snapshot_keys
@@ -42,8 +43,11 @@ from oomcast.service.ingest import Ingestor
 from oomcast.service.metrics import Metrics
 from oomcast.service.pipeline import forecaster
 from oomcast.service.pipeline.actions import Dispatcher
+from oomcast.service.pipeline.outcomes import CHAMPION, Scored
 from oomcast.service.pipeline.rulefile import load_rules
+from oomcast.service.pipeline.rules import policy_rule
 from oomcast.service.pipeline.state import LiveState
+from oomcast.service.scorecard import OutcomeStore, outcome_keys
 from oomcast.service.settings import Settings
 
 log = logging.getLogger("oomcast.service")
@@ -138,12 +142,21 @@ def build_context(settings: Settings) -> ServiceContext:
         attest_window_s=settings.attest_window_s,
         max_domains=settings.max_domains,
         max_domains_per_node=settings.max_domains_per_node,
+        # the model scored on the fleet's outcomes by the rule it was validated with
+        scored=[Scored(CHAMPION, policy_rule(policy, name="scored"))] if settings.outcomes else [],
     )
     # With leases, no round trip may outlast the slack between a lease's local deadline
     # and its expiry in Redis plus the commit margin (service/cluster/ownership.py): 0.4 x the TTL.
     timeout_s = max(2.0, 0.4 * settings.lease_ttl_s) if settings.uses_leases() else 10.0
     client = redis_client(settings, timeout_s)
     deliveries = build_deliveries(settings, keys, client, metrics)
+    outcome_store = OutcomeStore(
+        client,
+        keys.prefix,
+        seal_keys=outcome_keys(*_secrets(settings)),
+        maxlen=settings.outcomes_maxlen,
+        retention_s=settings.outcomes_retention_s,
+    )
     secret = settings.control_secret.get_secret_value() if settings.control_secret else None
     dispatcher = Dispatcher(
         keys,
@@ -182,6 +195,7 @@ def build_context(settings: Settings) -> ServiceContext:
         snapshot_every_s=settings.snapshot_every_s,
         snapshot_history=settings.snapshot_history,
         dispatcher=dispatcher,
+        outcomes=outcome_store,
     )
     if deliveries.alertmanager is not None:
         ingestor.ownership.keep_alive_in(deliveries.alertmanager)
@@ -199,6 +213,7 @@ def build_context(settings: Settings) -> ServiceContext:
         provider=choice.provider,
         rules=rules,
         dispatcher=dispatcher,
+        outcomes=outcome_store,
     )
 
 
@@ -239,7 +254,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     token = settings.api_token.get_secret_value() if settings.api_token else None
     app.add_middleware(EdgeMiddleware, max_body_bytes=settings.max_body_bytes, api_token=token)
 
-    for module in (predict, samples, devices, alerts, rules, admit):
+    for module in (predict, samples, devices, alerts, rules, admit, scorecard):
         app.include_router(module.router, prefix="/v1")
     app.include_router(health.router)
     app.include_router(apidocs.router)

@@ -69,6 +69,25 @@ class Metrics:
         )
         self.events = Counter("oomcast_events_total", "Events read", ["event"], registry=r)
         self.alerts = Counter("oomcast_alerts_total", "Alerts raised", ["status"], registry=r)
+        # The scorecard as counters (service/pipeline/outcomes.py): each outcome counted once,
+        # by the replica that put it on record. Recall at 30 s over a week:
+        #   sum(increase(oomcast_outcomes_total{outcome="oom",warned="30s"}[7d]))
+        #   / sum(increase(oomcast_outcomes_total{outcome="oom"}[7d]))
+        self.outcomes = Counter(
+            "oomcast_outcomes_total",
+            "Outcomes of alerts and OOMs, per scored model (role, model_version): outcome is"
+            " oom, near_miss, false_alarm or censored; an OOM's oom_class and warned"
+            " (30s, 10s, late, no)",
+            ["role", "model_version", "outcome", "oom_class", "warned", "kind"],
+            registry=r,
+        )
+        self.watched = Counter(
+            "oomcast_watched_job_seconds_total",
+            "Seconds of jobs watched, per scored model: false alarms per 1,000 job-hours is"
+            " 3.6e6 x false alarms / this",
+            ["role", "model_version", "kind"],
+            registry=r,
+        )
         # Deliveries to receivers (service/delivery/worker.py). result: delivered, retry (an attempt
         # failed and will be retried), refused, expired; for Alertmanager re-sends, resent
         # and resend_expired; forged: an item in the outbox the service did not stage (its

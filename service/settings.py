@@ -83,6 +83,11 @@ class Settings(BaseSettings):
     read_count: int = Field(default=500, ge=1)
     stream_maxlen: int = Field(default=100_000, ge=1000)
     alerts_maxlen: int = Field(default=10_000, ge=100)
+    # The fleet's scorecard (service/scorecard.py): each alert's and each OOM's outcome is
+    # kept in Redis this long (and at most outcomes_maxlen of them); off: none is decided.
+    outcomes: bool = True
+    outcomes_retention_s: float = Field(default=30 * 86400.0, ge=3600.0)
+    outcomes_maxlen: int = Field(default=500_000, ge=1000)
 
     # "model" (the ONNX LSTM) or the name of a baseline (see `oomcast evaluate`)
     forecaster: str = "model"

@@ -55,6 +55,7 @@ from oomcast.model.signing import SIG_PREFIX, service_keys, sign, verify
 from oomcast.model.text import compact_json
 from oomcast.service.cluster.leases import lease_key
 from oomcast.service.pipeline.history import History
+from oomcast.service.pipeline.outcomes import Watch
 from oomcast.service.pipeline.rules import Episode
 from oomcast.service.pipeline.state import DomainState, LiveState
 
@@ -66,7 +67,9 @@ HISTORY_POINTS = 32  # newest history points kept in a blob
 # The fields that are encoded one by one; every other field of DomainState whose type is
 # a plain scalar (int, float, str, bool, None) travels as is, so fields added later are
 # carried without touching this module.
-STRUCTURED = frozenset({"domain", "forecaster_state", "history", "last", "forecast", "episodes"})
+STRUCTURED = frozenset(
+    {"domain", "forecaster_state", "history", "last", "forecast", "episodes", "watches"}
+)
 # What only the replica holding the domain knows, and a blob must never set: when it restored
 # the domain, and since when its own signed samples came (a restored state's probation).
 LOCAL_ONLY = frozenset({"restored_at", "own_since"})
@@ -165,6 +168,8 @@ def encode(
         "history": _encode_history(points),
         "episodes": {name: ep.to_dict() for name, ep in st.episodes.items()},
         "phases": None if st.phases is None else st.phases.to_dict(),  # the job's schedule
+        # what each scored model's alert and the job came to so far (pipeline/outcomes.py)
+        "watches": {role: w.to_dict() for role, w in st.watches.items()},
         "scalars": {name: getattr(st, name) for name in SCALAR_FIELDS},
     }
     # orjson: the same JSON (no NaN can be in it: no time to OOM is null), a third the cost
@@ -320,6 +325,13 @@ def _restore(
         setattr(st, name, value)
     phases = body.get("phases")  # absent from blobs older than phase forecasts
     st.phases = None if phases is None else PhaseState.from_dict(phases)
+    watches = body.get("watches") or {}  # absent from blobs older than the scorecard
+    if not isinstance(watches, dict):
+        raise SnapshotError("snapshot watches must be an object")
+    try:
+        st.watches = {str(r): Watch.from_dict(w) for r, w in watches.items()}
+    except ValueError as exc:
+        raise SnapshotError(f"snapshot watches: {exc}") from None
     if st.last is not None and st.last.domain != domain:
         raise SnapshotError(f"snapshot of {domain} holds a sample of {st.last.domain}")
     same_model = body.get("model") == forecaster.version and body.get("emb_v") == EMBEDDING_VERSION
@@ -347,6 +359,8 @@ def _check_times(st: DomainState, latest: float) -> None:
     times = {name: getattr(st, name) for name in TIMES}
     times["last.ts"] = None if st.last is None else st.last.ts
     times["forecast.observed_at"] = None if st.forecast is None else st.forecast.observed_at
+    for role, w in st.watches.items():
+        times[f"watches.{role}"] = max(w.times(), default=None)
     for name, value in times.items():
         if value is not None and value > latest:
             raise SnapshotError(f"its {name} {value!r} lies ahead of the clock")

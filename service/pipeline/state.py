@@ -26,6 +26,14 @@ from oomcast.model.schema import Domain, Event, Sample, SchemaError
 from oomcast.service.api.device_query import DeviceFilter, DevicePage, RankCache, query_devices
 from oomcast.service.pipeline.explainer import diagnosis_of, explained
 from oomcast.service.pipeline.history import History
+from oomcast.service.pipeline.outcomes import (
+    Outcome,
+    Scored,
+    Watch,
+    observe,
+    on_end,
+    on_oom,
+)
 from oomcast.service.pipeline.phases import forget_job, on_schedule, phase_step
 from oomcast.service.pipeline.rules import (
     Alert,
@@ -81,6 +89,9 @@ class DomainState:
     # Never carried in a snapshot (service/cluster/snapshot.py LOCAL_ONLY).
     restored_at: float | None = None
     own_since: float | None = None
+    # Per scored model (champion, shadow): its own alert rule's episode and what the job
+    # and the alert came to so far (service/pipeline/outcomes.py).
+    watches: dict[str, Watch] = field(default_factory=dict)
 
     def summary(self, horizon_s: int) -> dict[str, Any]:
         s, f = self.last, self.forecast
@@ -148,6 +159,11 @@ class DomainState:
                 for n, t in self.episodes.items()
             },
         }
+
+
+def _cause(st: DomainState) -> str | None:
+    why = diagnosis_of(st)
+    return why.cause if why is not None else None
 
 
 def _seen_before(st: DomainState, sample: Sample) -> bool:
@@ -235,6 +251,7 @@ class LiveState:
         attest_window_s: float = 600.0,
         max_domains: int | None = None,
         max_domains_per_node: int | None = None,
+        scored: Sequence[Scored] = (),
     ) -> None:
         self.forecaster = forecaster
         self.rules = list(rules)
@@ -250,6 +267,33 @@ class LiveState:
         self.domains: dict[Domain, DomainState] = {}
         self.per_node: dict[str, int] = {}
         self.events_over_cap = 0  # events of new domains past the caps, dropped
+        # The models scored on every domain's outcomes, and the outcomes decided since the
+        # ingest loop last took them (``take_outcomes``).
+        self.scored = list(scored)
+        self.outcomes: list[Outcome] = []
+
+    def take_outcomes(self) -> list[Outcome]:
+        out, self.outcomes = self.outcomes, []
+        return out
+
+    def _version(self, st: DomainState) -> str:
+        return st.forecast.model_version if st.forecast is not None else self.forecaster.version
+
+    def _end_watches(self, st: DomainState) -> None:
+        """The domain's job ended without an OOM: each scored model's outcome of it."""
+        for s in self.scored:
+            w = st.watches.get(s.role)
+            if w is not None:
+                self.outcomes.extend(on_end(w, s, st.last, st.job, self._version(st)))
+
+    def _observe(self, st: DomainState, sample: Sample, fc: Forecast) -> None:
+        for s in self.scored:
+            w = st.watches.get(s.role)
+            if w is None:
+                w = st.watches[s.role] = Watch()
+            found = observe(w, s, sample, fc, st.job, _cause, st)
+            if found:
+                self.outcomes.extend(found)
 
     def _end_episodes(
         self, st: DomainState, reason: str, *, now: float, new_job: bool, job: str | None
@@ -385,6 +429,7 @@ class LiveState:
             # Another job on the same device: its history is not this one's. The node
             # agent restarts its embedding here too; samples that come over HTTP have
             # their embedding computed in this state, so it must restart the same way.
+            self._end_watches(st)
             self._restart_forecaster(st)
             reason = f"job {sample.job} replaced {st.job}"
             result.alerts.extend(self._end_episodes(st, reason, now=now, new_job=True, job=st.job))
@@ -417,6 +462,7 @@ class LiveState:
                 " its timeline was wrong: a new history starts"
             )
             result.alerts.extend(self._end_episodes(st, reason, now=now, new_job=False, job=st.job))
+            self._end_watches(st)
             self._restart_forecaster(st)
             st.history.clear()
             st.last = None
@@ -512,6 +558,7 @@ class LiveState:
         forecasts, hot, risks, ttos = self._step(states, admitted, embs)
         out = result.forecasts
         horizon = self.horizon_s
+        scored = self.scored
         for i, (st, sample, fc, attested, fires) in enumerate(
             zip(states, admitted, forecasts, signed, hot, strict=True)
         ):
@@ -530,6 +577,8 @@ class LiveState:
             st.history.append(sample.ts, sample.used_bytes, sample.total_bytes, risks[i], ttos[i])
             if fires or not st.quiet:
                 self._run_rules(st, sample, fc, attested, now, result)
+            if scored:
+                self._observe(st, sample, fc)
             out.append((st, fc))
 
     def _step(
@@ -621,6 +670,10 @@ class LiveState:
             return []
         st = self._state(event.domain)
         st.last_seen_wall = now
+        if st.last is not None and (st.last_oom_ts is None or event.ts > st.last_oom_ts):
+            for s in self.scored:  # each scored model's outcome of the OOM
+                w = st.watches.setdefault(s.role, Watch())
+                self.outcomes.extend(on_oom(w, s, st.last, event.ts, st.job, self._version(st)))
         st.ooms_seen += 1
         st.last_oom_ts = max(event.ts, st.last_oom_ts or event.ts)
         out = self._end_episodes(st, "the job ran out of memory", now=now, new_job=True, job=st.job)
@@ -639,6 +692,7 @@ class LiveState:
                 continue
             reason = f"no samples for {now - st.last_seen_wall:.0f}s"
             out.extend(self._end_episodes(st, reason, now=now, new_job=False, job=st.job))
+            self._end_watches(st)
             self._drop(domain)
             dropped += 1
         if dropped >= TRIM_AFTER:

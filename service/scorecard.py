@@ -1,0 +1,273 @@
+"""The fleet's scorecard: outcomes (``service/pipeline/outcomes.py``) kept in Redis, counted
+once, and summed over a window.
+
+``OutcomeStore`` writes each outcome with one script call that adds its id to a sorted
+set of ids (scored by the outcome's time) and appends it to the outcomes stream only if
+the id was new: an outcome decided twice (a batch read again after a crash, a replica
+that took the partition over from a snapshot and saw the same OOM) is on record once. Ids
+and entries older than the retention are dropped as new ones come; the stream is also
+capped in length.
+
+Anyone who can write to Redis could add entries too, and a scorecard is what decides
+whether a model may page people or act. With a key (from the service's control secret,
+else its webhook secret) each entry is sealed, and entries whose seal fails are left out
+of every sum and counted (``forged``). Without a key nothing is sealed, and nothing can be
+told apart: the scorecard says so.
+
+``scorecard`` turns outcomes into the figures an SRE reads (precision, recall at 10 s and
+30 s, median lead, false alarms per 1,000 job-hours, time-to-OOM error), per scored model
+and optionally by kind, node, job or cause; ``GET /v1/scorecard``, the dashboard and
+``oomcast report`` all call it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from oomcast.model.signing import service_keys, sign, verify
+from oomcast.model.text import as_str
+from oomcast.service.pipeline.outcomes import Outcome
+
+log = logging.getLogger(__name__)
+
+OUTCOME_KEY_CONTEXT = b"oomcast:outcomes:v1"
+RETENTION_S = 30 * 86400.0
+MAXLEN = 500_000
+READ_CHUNK = 5000
+BY = ("kind", "node", "job", "cause", "model_version")
+
+# KEYS: the ids' sorted set, the stream (one Cluster slot: the {outcomes} hash tag).
+# ARGV: ts, id, the entry's body, its seal, maxlen, the oldest ts kept.
+RECORD = """
+if redis.call('ZADD', KEYS[1], 'NX', ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'o', ARGV[3], 'sig', ARGV[4])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[6])
+return 1
+"""
+
+
+def outcome_keys(control_secret: str | None, webhook_secret: str | None) -> tuple[str, ...]:
+    return service_keys(control_secret, webhook_secret, OUTCOME_KEY_CONTEXT)
+
+
+def stream_key(prefix: str) -> str:
+    return f"{prefix}:{{outcomes}}:stream"
+
+
+def ids_key(prefix: str) -> str:
+    return f"{prefix}:{{outcomes}}:ids"
+
+
+@dataclass
+class Read:
+    """Outcomes read back, and the entries left out."""
+
+    outcomes: list[Outcome] = field(default_factory=list)
+    forged: int = 0  # seal missing or wrong (with a key)
+    malformed: int = 0
+    sealed: bool = False  # whether seals were checked
+
+
+class OutcomeStore:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        prefix: str,
+        *,
+        seal_keys: Sequence[str] = (),
+        maxlen: int = MAXLEN,
+        retention_s: float = RETENTION_S,
+    ) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.seal_keys = tuple(seal_keys)
+        self.maxlen = maxlen
+        self.retention_s = retention_s
+
+    @property
+    def stream(self) -> str:
+        return stream_key(self.prefix)
+
+    def stage(self, pipe: Any, outcomes: Sequence[Outcome], now: float | None = None) -> int:
+        """Queue the writes of ``outcomes`` on ``pipe`` (a pipeline); the pipeline's results
+        for them, in order, say per outcome whether it was new (``added``). Returns how many
+        results they take."""
+        now = time.time() if now is None else now
+        oldest = now - self.retention_s
+        ids, stream = ids_key(self.prefix), self.stream
+        for o in outcomes:
+            body = orjson.dumps(o.to_dict())
+            sig = sign(body, self.seal_keys[0]) if self.seal_keys else ""
+            # plain EVAL, as the snapshots' fenced writes: a Cluster pipeline takes it too
+            pipe.eval(RECORD, 2, ids, stream, repr(o.ts), o.id, body, sig, self.maxlen, oldest)
+        return len(outcomes)
+
+    async def record(self, outcomes: Sequence[Outcome], now: float | None = None) -> list[bool]:
+        """Write ``outcomes`` in one round trip; per outcome whether it was new (False: it
+        was on record already, and is not counted again)."""
+        if not outcomes:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        self.stage(pipe, outcomes, now)
+        return added(await pipe.execute())
+
+    async def read(self, since: float, until: float | None = None) -> Read:
+        """The outcomes put on record from ``since`` to ``until`` (unix seconds: the window
+        is when they were recorded, which is when the service decided them), oldest first."""
+        out = Read(sealed=bool(self.seal_keys))
+        cursor = f"{max(0, int(since * 1000))}-0"
+        last = "+" if until is None or not math.isfinite(until) else f"{int(until * 1000)}-9999999"
+        while True:
+            entries = await self.client.xrange(self.stream, min=cursor, max=last, count=READ_CHUNK)
+            for _, fields in entries:
+                o = self._decode(fields, out)
+                if o is not None:
+                    out.outcomes.append(o)
+            if len(entries) < READ_CHUNK:
+                break
+            cursor = "(" + as_str(entries[-1][0])
+        return out
+
+    def _decode(self, fields: dict[Any, Any], out: Read) -> Outcome | None:
+        body = fields.get(b"o", fields.get("o"))
+        sig = fields.get(b"sig", fields.get("sig"))
+        if body is None:
+            out.malformed += 1
+            return None
+        raw = body if isinstance(body, bytes) else str(body).encode()
+        if self.seal_keys and not any(verify(raw, as_str(sig or ""), k) for k in self.seal_keys):
+            out.forged += 1
+            return None
+        try:
+            return Outcome.from_dict(orjson.loads(raw))
+        except (ValueError, TypeError) as exc:
+            log.warning("an outcome entry left out: %s", exc)
+            out.malformed += 1
+            return None
+
+
+def added(results: Sequence[Any]) -> list[bool]:
+    """Per staged outcome, from its pipeline results, whether it was new."""
+    return [bool(a) for a in results]
+
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+
+
+def parse_since(text: str, now: float) -> float:
+    """A window's start: a span back from ``now`` (``7d``, ``24h``, ``90m``, ``3600s``, ``2w``)
+    or unix seconds (a number past 1e9). ValueError naming what is wrong."""
+    t = text.strip().lower()
+    try:
+        if t and t[-1] in _UNITS:
+            span = float(t[:-1]) * _UNITS[t[-1]]
+            if not math.isfinite(span) or not 0 < span <= 100 * 365 * 86400.0:
+                raise ValueError
+            return now - span
+        value = float(t)
+    except ValueError:
+        raise ValueError(
+            f"since={text!r}: a span back from now (7d, 24h, 90m, 3600s, 2w) or unix seconds"
+        ) from None
+    if not math.isfinite(value) or value < 1e9:
+        raise ValueError(f"since={text!r}: unix seconds (after 2001), or a span such as 7d")
+    if value > now + 86400.0:
+        raise ValueError(f"since={text!r}: lies more than a day ahead of the clock")
+    return value
+
+
+# --- the figures ---------------------------------------------------------------------------
+
+
+def _median(xs: Iterable[float]) -> float | None:
+    v = list(xs)
+    return round(statistics.median(v), 3) if v else None
+
+
+def _ratio(a: int, b: int) -> float | None:
+    return round(a / b, 4) if b else None
+
+
+def figures(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """The scorecard of one model (one group): counts and the ratios an SRE reads."""
+    ooms = [o for o in outcomes if o.outcome == "oom"]
+    by_class: dict[str, Any] = {}
+    for cls in ("long", "short", "sudden"):
+        c = [o for o in ooms if o.oom_class == cls]
+        w30 = sum(o.warned == "30s" for o in c)
+        w10 = sum(o.warned in ("30s", "10s") for o in c)
+        by_class[cls] = {
+            "n": len(c),
+            "warned_30s": w30,
+            "warned_10s": w10,
+            "recall_30s": _ratio(w30, len(c)),
+            "recall_10s": _ratio(w10, len(c)),
+        }
+    warned = [o for o in ooms if o.warned != "no"]
+    false_alarms = sum(o.outcome == "false_alarm" for o in outcomes)
+    near = sum(o.outcome == "near_miss" for o in outcomes)
+    censored = sum(o.outcome == "censored" for o in outcomes)
+    seconds = sum(o.seconds for o in outcomes if o.outcome == "exposure")
+    hours = seconds / 3600.0
+    w30 = sum(o.warned == "30s" for o in ooms)
+    w10 = sum(o.warned in ("30s", "10s") for o in ooms)
+    return {
+        "ooms": len(ooms),
+        "warned_30s": w30,
+        "warned_10s": w10,
+        "missed_30s": len(ooms) - w30,
+        "recall_30s": _ratio(w30, len(ooms)),
+        "recall_10s": _ratio(w10, len(ooms)),
+        "by_class": by_class,
+        "alerts": len(warned) + false_alarms + near + censored,
+        "false_alarms": false_alarms,
+        "near_misses_alerted": near,
+        "censored": censored,
+        # of the alerts whose end is known, those an OOM followed (near misses apart)
+        "precision": _ratio(len(warned), len(warned) + false_alarms),
+        "median_lead_s": _median(o.lead_s for o in warned if o.lead_s is not None),
+        "median_tto_error": _median(o.tto_error for o in ooms if o.tto_error is not None),
+        "job_hours": round(hours, 3),
+        "false_alarms_per_1000_job_hours": round(1000 * false_alarms / hours, 3) if hours else None,
+    }
+
+
+def scorecard(read: Read, since: float, until: float, by: str | None = None) -> dict[str, Any]:
+    """The scorecard over a window: per scored model (role and version), and within each,
+    per value of ``by`` (one of ``BY``) when asked."""
+    if by is not None and by not in BY:
+        raise ValueError(f"by={by!r}: one of {', '.join(BY)}")
+    models: dict[tuple[str, str], list[Outcome]] = {}
+    for o in read.outcomes:
+        models.setdefault((o.role, o.model_version), []).append(o)
+    rows = []
+    for (role, version), outs in sorted(models.items()):
+        row: dict[str, Any] = {"role": role, "model_version": version, **figures(outs)}
+        if by is not None:
+            groups: dict[str, list[Outcome]] = {}
+            for o in outs:
+                groups.setdefault(str(getattr(o, by) or "-"), []).append(o)
+            row["by"] = {k: figures(v) for k, v in sorted(groups.items())}
+        rows.append(row)
+    return {
+        "since": since,
+        "until": until,
+        "by": by,
+        "models": rows,
+        "outcomes": len(read.outcomes),
+        "left_out": {"forged": read.forged, "malformed": read.malformed},
+        "sealed": read.sealed,
+        "note": None
+        if read.sealed
+        else "the service has no secret: outcomes are not sealed, and a forged one could not be"
+        " told apart",
+    }

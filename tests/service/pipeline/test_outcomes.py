@@ -1,0 +1,159 @@
+"""What the live state decides each alert and each OOM came to (service/pipeline/outcomes.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from support import sample
+
+from oomcast.model.baselines import ThresholdBaseline
+from oomcast.model.schema import Event
+from oomcast.service.pipeline.outcomes import (
+    CHAMPION,
+    EXPOSURE_FLUSH_S,
+    SETTLE_S,
+    Outcome,
+    Scored,
+)
+from oomcast.service.pipeline.rules import AlertPolicy, policy_rule
+from oomcast.service.pipeline.state import LiveState
+
+POLICY = AlertPolicy(60, 0.5, resolve_risk=0.2, fire_after=1, resolve_after=1)
+T0 = 1_800_000_000.0
+
+
+def live(threshold: float = 0.9) -> LiveState:
+    """A live state whose forecaster alerts at ``threshold`` of capacity, scored by the
+    policy's rule (no configured rules at all: the score does not depend on them)."""
+    return LiveState(
+        ThresholdBaseline(threshold),
+        [],
+        horizon_s=60,
+        scored=[Scored(CHAMPION, policy_rule(POLICY, name="scored"))],
+    )
+
+
+def feed(st: LiveState, levels: list[tuple[float, float]], **kw: object) -> None:
+    """One sample a second from each (start s, level) until the next start."""
+    for (start, level), (end, _) in itertools.pairwise(levels):
+        t = start
+        while t < end:
+            st.apply([sample(T0 + t, level, **kw)], now=T0 + t)
+            t += 1.0
+
+
+def decided(st: LiveState) -> list[Outcome]:
+    return [o for o in st.take_outcomes() if o.outcome != "exposure"]
+
+
+def test_an_oom_warned_40s_ahead_after_growth_is_a_long_oom_warned_30s_ahead() -> None:
+    st = live()
+    feed(st, [(0, 0.5), (60, 0.7), (90, 0.8), (100, 0.95), (140, 0.0)])
+    st.on_event(Event(T0 + 140.0, "n1", "gpu0", "oom"), now=T0 + 140)
+    [oom] = decided(st)
+    assert (oom.outcome, oom.warned, oom.oom_class) == ("oom", "30s", "long")
+    assert oom.lead_s == pytest.approx(40.0)
+    assert oom.alert_ts == pytest.approx(T0 + 100.0)
+
+
+def test_an_oom_with_no_growth_before_it_is_sudden_and_missed() -> None:
+    st = live()
+    feed(st, [(0, 0.5), (200, 0.0)])
+    st.on_event(Event(T0 + 200.0, "n1", "gpu0", "oom"), now=T0 + 200)
+    [oom] = decided(st)
+    assert (oom.warned, oom.oom_class, oom.lead_s) == ("no", "sudden", None)
+
+
+def test_an_oom_in_the_jobs_first_minute_is_short_and_a_late_warning_counts_at_10s() -> None:
+    st = live()
+    feed(st, [(0, 0.5), (20, 0.95), (35, 0.0)])
+    st.on_event(Event(T0 + 35.0, "n1", "gpu0", "oom"), now=T0 + 35)
+    [oom] = decided(st)
+    assert (oom.warned, oom.oom_class) == ("10s", "short")
+
+
+def test_an_alert_that_ended_counts_for_an_oom_within_the_settling_time() -> None:
+    st = live()
+    feed(st, [(0, 0.5), (100, 0.95), (110, 0.6), (200, 0.0)])
+    assert decided(st) == []  # ended 90 s ago: not yet settled
+    st.on_event(Event(T0 + 200.0, "n1", "gpu0", "oom"), now=T0 + 200)
+    [oom] = decided(st)
+    assert (oom.warned, oom.lead_s) == ("30s", pytest.approx(100.0))
+
+
+def test_an_alert_with_no_oom_settles_as_a_false_alarm_or_a_near_miss() -> None:
+    st = live(threshold=0.8)  # alerts from 80% full
+    feed(st, [(0, 0.5), (100, 0.85), (120, 0.5), (120 + SETTLE_S + 5, 0.0)])
+    [fa] = decided(st)
+    assert fa.outcome == "false_alarm"
+    assert fa.alert_ts == pytest.approx(T0 + 100.0)
+    assert fa.ts == pytest.approx(T0 + 119.0 + SETTLE_S)  # settled SETTLE_S after its end
+
+    st = live(threshold=0.8)
+    feed(st, [(0, 0.5), (100, 0.93), (120, 0.5), (120 + SETTLE_S + 5, 0.0)])
+    [near] = decided(st)
+    assert (near.outcome, near.max_level) == ("near_miss", pytest.approx(0.93, abs=1e-3))
+
+
+def test_a_job_that_ends_while_its_alert_stands_leaves_it_censored() -> None:
+    st = live()
+    feed(st, [(0, 0.5), (100, 0.95), (130, 0.0)], job="a")
+    st.apply([sample(T0 + 131.0, 0.2, job="b")], now=T0 + 131)  # another job takes the GPU
+    [c] = decided(st)
+    assert (c.outcome, c.job) == ("censored", "a")
+
+
+def test_a_silent_domain_settles_its_alert_when_it_expires() -> None:
+    st = live(threshold=0.8)
+    feed(st, [(0, 0.5), (100, 0.85), (110, 0.5), (300, 0.0)])
+    st.expire(now=T0 + 1000, live_after_s=60)
+    [fa] = decided(st)
+    assert fa.outcome == "false_alarm"  # ended 190 s before the job fell silent
+
+
+def test_exposure_adds_up_to_the_jobs_watched_seconds() -> None:
+    st = live()
+    end = EXPOSURE_FLUSH_S + 500
+    feed(st, [(0, 0.5), (end, 0.0)])
+    st.expire(now=T0 + end + 1000, live_after_s=60)
+    exposure = [o for o in st.take_outcomes() if o.outcome == "exposure"]
+    assert len(exposure) == 2  # flushed once an hour in, and at the job's end
+    assert sum(o.seconds for o in exposure) == pytest.approx(end - 1)
+    assert len({o.id for o in exposure}) == 2
+
+
+def test_an_outcome_decided_again_from_a_snapshot_has_the_same_id() -> None:
+    """A replica that takes the partition over restores the domain and reads the OOM again:
+    the outcome it decides must be the one on record (same id), so it is counted once."""
+    first = live()
+    feed(first, [(0, 0.5), (60, 0.95), (100, 0.0)])
+    blob = first.snapshot(("n1", "gpu0"))
+    first.on_event(Event(T0 + 100.0, "n1", "gpu0", "oom"), now=T0 + 100)
+    [a] = decided(first)
+
+    second = live()
+    second.restore(blob, now=T0 + 100)
+    second.on_event(Event(T0 + 100.0, "n1", "gpu0", "oom"), now=T0 + 100)
+    [b] = decided(second)
+    assert a == b
+    # and the same OOM event read twice by one replica decides nothing more
+    second.on_event(Event(T0 + 100.0, "n1", "gpu0", "oom"), now=T0 + 101)
+    assert decided(second) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"outcome": "great"}, "is not one of"),
+        ({"lead_s": "soon"}, "lead_s"),
+        ({"warned": "yes"}, "warned"),
+        ({"extra": 1}, "unknown fields"),
+        ({"ts": float("nan")}, "ts"),
+    ],
+)
+def test_an_outcome_read_back_is_checked_field_by_field(change: dict, message: str) -> None:
+    good = Outcome("x", "oom", T0, "n1", "gpu0", "gpu", None, CHAMPION, "m1", warned="no")
+    assert Outcome.from_dict(good.to_dict()) == good
+    with pytest.raises(ValueError, match=message):
+        Outcome.from_dict(good.to_dict() | change)

@@ -390,9 +390,11 @@ class Ingestor:
             self._lose([p] if p is not None else [])
             return
         batch = self.dispatch(evaluated)
-        batch.snapshots = self.ownership.snapshots_for(
-            evaluated.touched, [(a.node, a.device) for a in evaluated.alerts]
-        )
+        # Domains that alerted or decided an outcome are snapshotted with this batch, whatever
+        # the schedule: a successor must not decide again what is on record here.
+        urgent = [(a.node, a.device) for a in evaluated.alerts]
+        urgent += [(o.node, o.device) for o in self.live.outcomes]
+        batch.snapshots = self.ownership.snapshots_for(evaluated.touched, urgent)
         await self.commit(batch)
         for dl in evaluated.deadletters:  # counted once on record, by why
             self.metrics.rejected.labels(reason=as_str(dl.get("code", "undecodable"))).inc()

@@ -150,12 +150,16 @@ def build_context(settings: Settings) -> ServiceContext:
     timeout_s = max(2.0, 0.4 * settings.lease_ttl_s) if settings.uses_leases() else 10.0
     client = redis_client(settings, timeout_s)
     deliveries = build_deliveries(settings, keys, client, metrics)
-    outcome_store = OutcomeStore(
-        client,
-        keys.prefix,
-        seal_keys=outcome_keys(*_secrets(settings)),
-        maxlen=settings.outcomes_maxlen,
-        retention_s=settings.outcomes_retention_s,
+    outcome_store = (
+        OutcomeStore(
+            client,
+            keys.prefix,
+            seal_keys=outcome_keys(*_secrets(settings)),
+            maxlen=settings.outcomes_maxlen,
+            retention_s=settings.outcomes_retention_s,
+        )
+        if settings.outcomes
+        else None
     )
     secret = settings.control_secret.get_secret_value() if settings.control_secret else None
     dispatcher = Dispatcher(

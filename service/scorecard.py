@@ -22,6 +22,7 @@ and optionally by kind, node, job or cause; ``GET /v1/scorecard``, the dashboard
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import statistics
@@ -45,12 +46,18 @@ MAXLEN = 500_000
 READ_CHUNK = 5000
 BY = ("kind", "node", "job", "cause", "model_version")
 
+MAX_READ = 200_000  # entries one scorecard reads at most (about 2 s of CPU): then truncated
 # KEYS: the ids' sorted set, the stream (one Cluster slot: the {outcomes} hash tag).
-# ARGV: ts, id, the entry's body, its seal, maxlen, the oldest ts kept.
+# ARGV: now, id, the entry's body, its seal, maxlen, the oldest time kept, the id of the
+# alert an OOM claims ("" for none). Ids are scored by when they were recorded (wall time),
+# so a repeat is refused for the retention whatever the outcome's own time. An alert an
+# OOM claimed is recorded as claimed, so it is not decided again as something else.
 RECORD = """
 if redis.call('ZADD', KEYS[1], 'NX', ARGV[1], ARGV[2]) == 0 then return 0 end
+if ARGV[7] ~= '' then redis.call('ZADD', KEYS[1], 'NX', ARGV[1], ARGV[7]) end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'o', ARGV[3], 'sig', ARGV[4])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[6])
+redis.call('XTRIM', KEYS[2], 'MINID', '~', math.floor(tonumber(ARGV[6]) * 1000))
 return 1
 """
 
@@ -74,7 +81,11 @@ class Read:
     outcomes: list[Outcome] = field(default_factory=list)
     forged: int = 0  # seal missing or wrong (with a key)
     malformed: int = 0
+    repeats: int = 0  # copies of an entry already read (same id)
     sealed: bool = False  # whether seals were checked
+    read: int = 0  # entries read
+    truncated: bool = False  # MAX_READ entries read before the window's end
+    covers_from: float | None = None  # the oldest entry the stream still holds
 
 
 class OutcomeStore:
@@ -104,11 +115,15 @@ class OutcomeStore:
         now = time.time() if now is None else now
         oldest = now - self.retention_s
         ids, stream = ids_key(self.prefix), self.stream
+        at = round(now, 3)
         for o in outcomes:
-            body = orjson.dumps(o.to_dict())
+            # sealed with the time it was recorded: the window is read from it, not from the
+            # entry's id (which whoever writes an entry chooses)
+            body = orjson.dumps(o.to_dict() | {"at": at})
             sig = sign(body, self.seal_keys[0]) if self.seal_keys else ""
             # plain EVAL, as the snapshots' fenced writes: a Cluster pipeline takes it too
-            pipe.eval(RECORD, 2, ids, stream, repr(o.ts), o.id, body, sig, self.maxlen, oldest)
+            pipe.eval(RECORD, 2, ids, stream, repr(at), o.id, body, sig, self.maxlen, oldest,
+                      o.claims or "")  # fmt: skip
         return len(outcomes)
 
     async def record(self, outcomes: Sequence[Outcome], now: float | None = None) -> list[bool]:
@@ -121,35 +136,60 @@ class OutcomeStore:
         return added(await pipe.execute())
 
     async def read(self, since: float, until: float | None = None) -> Read:
-        """The outcomes put on record from ``since`` to ``until`` (unix seconds: the window
-        is when they were recorded, which is when the service decided them), oldest first."""
+        """The outcomes recorded from ``since`` to ``until`` (unix seconds: when the service
+        decided them, as sealed in each entry), oldest first, each id once (a copy of a
+        sealed entry is left out as a repeat)."""
         out = Read(sealed=bool(self.seal_keys))
-        cursor = f"{max(0, int(since * 1000))}-0"
-        last = "+" if until is None or not math.isfinite(until) else f"{int(until * 1000)}-9999999"
+        until = math.inf if until is None else until
+        seen: set[str] = set()
+        first = await self.client.xrange(self.stream, count=1)
+        if first:
+            out.covers_from = _entry_s(first[0][0])
+        # the entry ids are written by Redis at the record's time, a minute's slack around
+        cursor = f"{max(0, int((since - 60.0) * 1000))}-0"
+        last = "+" if not math.isfinite(until) else f"{int((until + 60.0) * 1000)}-0"
         while True:
             entries = await self.client.xrange(self.stream, min=cursor, max=last, count=READ_CHUNK)
             for _, fields in entries:
-                o = self._decode(fields, out)
-                if o is not None:
-                    out.outcomes.append(o)
+                found = self._decode(fields, out)
+                if found is None:
+                    continue
+                o, at = found
+                if not since <= at <= until:
+                    continue
+                if o.id in seen:
+                    out.repeats += 1
+                    continue
+                seen.add(o.id)
+                out.outcomes.append(o)
+            out.read += len(entries)
             if len(entries) < READ_CHUNK:
                 break
+            if out.read >= MAX_READ:
+                out.truncated = True
+                break
             cursor = "(" + as_str(entries[-1][0])
+            await asyncio.sleep(0)  # let ingest and other requests in between chunks
         return out
 
-    def _decode(self, fields: dict[Any, Any], out: Read) -> Outcome | None:
+    def _decode(self, fields: dict[Any, Any], out: Read) -> tuple[Outcome, float] | None:
         body = fields.get(b"o", fields.get("o"))
         sig = fields.get(b"sig", fields.get("sig"))
         if body is None:
             out.malformed += 1
             return None
         raw = body if isinstance(body, bytes) else str(body).encode()
-        if self.seal_keys and not any(verify(raw, as_str(sig or ""), k) for k in self.seal_keys):
+        given = sig if isinstance(sig, bytes) else str(sig or "").encode()
+        if self.seal_keys and not any(verify(raw, given, k) for k in self.seal_keys):
             out.forged += 1
             return None
         try:
-            return Outcome.from_dict(orjson.loads(raw))
-        except (ValueError, TypeError) as exc:
+            data = orjson.loads(raw)
+            at = data.pop("at") if isinstance(data, dict) else None
+            if not isinstance(at, int | float) or not math.isfinite(at):
+                raise ValueError("outcome at: must be the time it was recorded")
+            return Outcome.from_dict(data), float(at)
+        except (ValueError, TypeError, KeyError) as exc:
             log.warning("an outcome entry left out: %s", exc)
             out.malformed += 1
             return None
@@ -158,6 +198,10 @@ class OutcomeStore:
 def added(results: Sequence[Any]) -> list[bool]:
     """Per staged outcome, from its pipeline results, whether it was new."""
     return [bool(a) for a in results]
+
+
+def _entry_s(entry_id: Any) -> float:
+    return int(as_str(entry_id).split("-")[0]) / 1000.0
 
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
@@ -264,8 +308,11 @@ def scorecard(read: Read, since: float, until: float, by: str | None = None) -> 
         "by": by,
         "models": rows,
         "outcomes": len(read.outcomes),
-        "left_out": {"forged": read.forged, "malformed": read.malformed},
+        "left_out": {"forged": read.forged, "malformed": read.malformed, "repeats": read.repeats},
         "sealed": read.sealed,
+        "truncated": read.truncated,
+        # the stream holds nothing older than this: a window that starts before it is short
+        "covers_from": read.covers_from,
         "note": None
         if read.sealed
         else "the service has no secret: outcomes are not sealed, and a forged one could not be"

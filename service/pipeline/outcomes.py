@@ -9,22 +9,25 @@ decides an ``Outcome``:
 - ``oom``: the domain's job ran out of memory. ``warned`` says whether an alert stood (or
   had ended less than ``SETTLE_S`` before) at least 30 s before it (``30s``), at least 10 s
   (``10s``), later (``late``) or not at all (``no``); ``lead_s`` is from the alert's first
-  sample. Classed as the forecaster's scoring classes them (``training/classes.py``):
-  ``short`` under 60 s after the job's first sample, ``sudden`` when the level 30 s before
+  sample. Classed as near the forecaster's scoring (``training/classes.py``) as the service
+  can without a manifest's cause: ``short`` under 60 s after the job's first sample,
+  ``sudden`` when the level 30 s before
   the OOM stood within ``SUDDEN_RISE`` of its low over the 90 s before that (one step, no
   growth to see), ``long`` otherwise.
 - ``near_miss`` / ``false_alarm``: an alert ended and ``SETTLE_S`` passed with no OOM; a near
   miss when the domain came within 10% of its limit after the alert fired.
 - ``censored``: the job ended (another job, silence, a timeline reset) while the alert
   stood or within ``CENSOR_S`` of its end: its future is unknown, neither a hit nor a false
-  alarm.
+  alarm. When another job takes the domain, the ended job's watch is held ``CENSOR_S``
+  past its last sample: its OOM event may be read after the new job's first samples.
 - ``exposure``: seconds of a job watched, flushed every ``EXPOSURE_FLUSH_S`` of its time
   and when it ends: the denominator of false alarms per 1,000 job-hours.
 
-An outcome's ``id`` comes from what decided it (the OOM's ts, the episode's id, the job's
-first sample), so deciding it again (a batch read twice after a crash, a replica taking
-the partition over from a snapshot) gives the same id, and the store counts it once
-(``service/scorecard.py``). The watch is carried in the domain's snapshot.
+An outcome's ``id`` comes from what decided it (an OOM's ts; an alert's id, whatever the
+alert is decided to be; the job's first sample for exposure), so deciding it again (a
+batch read twice after a crash, a successor restored from an older snapshot) gives the
+same id, and the store counts it once (``service/scorecard.py``). The watch is carried in
+the domain's snapshot.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ LONG_AFTER_S = 60.0  # an OOM this long after the job's first sample is a long o
 SUDDEN_RISE = 0.03  # growth under this share of capacity before T-30 s: nothing to see
 TRAIL_EVERY_S = 5.0  # the level (and the forecast's time to OOM) kept every this often ...
 TRAIL_S = 180.0  # ... over this long: what an OOM's class and time-to-OOM error are read from
-EXPOSURE_FLUSH_S = 3600.0  # a job's watched seconds are written out at least this often
+EXPOSURE_FLUSH_S = 6 * 3600.0  # a job's watched seconds are written out at least this often
 CHAMPION = "champion"  # the model that acts; a shadow is scored beside it, acting on nothing
 OUTCOMES = ("oom", "near_miss", "false_alarm", "censored", "exposure")
 WARNED = ("30s", "10s", "late", "no")
@@ -76,6 +79,7 @@ class Outcome:
     max_level: float = 0.0
     seconds: float = 0.0  # exposure: seconds of the job watched since the last flush
     cause: str | None = None  # what the alert said the OOM would come from
+    claims: str | None = None  # an OOM's: the id of the alert it claims (alert_outcome_id)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -110,7 +114,7 @@ class Outcome:
             raise ValueError(
                 f"outcome oom_class: {data['oom_class']!r} is not one of {OOM_CLASSES}"
             )
-        for name in ("job", "episode", "cause"):
+        for name in ("job", "episode", "cause", "claims"):
             if data.get(name) is not None and not isinstance(data[name], str):
                 raise ValueError(f"outcome {name}: must be a string or null")
         if "ts" not in data:
@@ -126,6 +130,13 @@ def _finite(v: Any) -> bool:
 def outcome_id(*parts: object) -> str:
     key = "\0".join(repr(p) if isinstance(p, float) else str(p) for p in parts).encode()
     return hashlib.sha256(key).hexdigest()[:24]
+
+
+def alert_outcome_id(role: str, alert_id: str | None, alert_ts: float | None) -> str:
+    """One id per scored alert, whatever it is decided to be (a false alarm, a near miss,
+    censored; an OOM that claims it records it as its ``claims``): deciding the same alert
+    again, differently (after a replay from an older snapshot), is refused as a repeat."""
+    return outcome_id("alert", role, alert_id, alert_ts)
 
 
 @dataclass
@@ -144,49 +155,81 @@ class Watch:
     cause: str | None = None
     # (ts, level, the forecast's time to OOM or None) every TRAIL_EVERY_S, the last TRAIL_S
     trail: list[tuple[float, float, float | None]] = field(default_factory=list)
+    # The previous job's watch, for CENSOR_S after its last sample once another job took the
+    # domain: its OOM event may still come (read after the new job's first samples).
+    ended: Watch | None = None
+    ended_job: str | None = None
+    ended_version: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in _WATCH_SCALARS}
         out["episode"] = self.episode.to_dict()
         out["trail"] = [list(p) for p in self.trail]
+        if self.ended is not None:
+            out["ended"] = self.ended.to_dict()
         return out
 
     @classmethod
-    def from_dict(cls, data: Any) -> Watch:
+    def from_dict(cls, data: Any, *, nested: bool = False) -> Watch:
+        """A watch read back from a snapshot; ValueError naming what is wrong."""
         if not isinstance(data, dict):
             raise ValueError("watch must be an object")
         w = cls(episode=Episode.from_dict(data.get("episode", {})))
-        trail = data.get("trail", [])
-        if not isinstance(trail, list) or len(trail) > 2 * TRAIL_S / TRAIL_EVERY_S + 2:
-            raise ValueError("watch trail: must be a short list")
-        for p in trail:
-            if not (isinstance(p, list) and len(p) == 3 and _finite(p[0]) and _finite(p[1])
-                    and (p[2] is None or _finite(p[2]))):  # fmt: skip
-                raise ValueError(f"watch trail: {p!r} is not [ts, level, tto or null]")
-            w.trail.append((float(p[0]), float(p[1]), None if p[2] is None else float(p[2])))
+        ended = data.get("ended")
+        if ended is not None:
+            if nested:
+                raise ValueError("watch ended: an ended job's watch holds no other")
+            w.ended = cls.from_dict(ended, nested=True)
+        w.trail = _trail(data.get("trail", []))
         for k in _WATCH_SCALARS:
-            v = data.get(k)
-            if k in ("alert_id", "cause"):
-                if v is not None and not isinstance(v, str):
-                    raise ValueError(f"watch {k}: must be a string or null")
-            elif k in ("max_level", "alert_max_level"):
-                if not _finite(v if v is not None else 0.0):
-                    raise ValueError(f"watch {k}: must be a number")
-                v = float(v or 0.0)
-            elif v is not None and not _finite(v):
-                raise ValueError(f"watch {k}: must be a number or null")
-            setattr(w, k, v)
+            setattr(w, k, _scalar(k, data.get(k)))
+        last = w.last_ts if w.last_ts is not None else w.start_ts
+        if (w.start_ts is None) != (w.flushed_ts is None) or (
+            w.start_ts is not None
+            and w.flushed_ts is not None
+            and last is not None
+            and not w.start_ts <= w.flushed_ts <= last
+        ):
+            raise ValueError("watch: start_ts <= flushed_ts <= last_ts does not hold")
         return w
 
     def times(self) -> list[float]:
         """Every time the watch holds (a restored one must not lie in the future)."""
-        held = (self.start_ts, self.last_ts, self.alert_ts, self.alert_end_ts,
+        held = (self.start_ts, self.last_ts, self.flushed_ts, self.alert_ts, self.alert_end_ts,
                 *(p[0] for p in self.trail[-1:]))  # fmt: skip
-        return [t for t in held if t is not None]
+        out = [t for t in held if t is not None]
+        return out + (self.ended.times() if self.ended is not None else [])
 
 
 _WATCH_SCALARS = ("start_ts", "last_ts", "flushed_ts", "max_level", "alert_ts", "alert_id",
-                  "alert_end_ts", "alert_max_level", "cause")  # fmt: skip
+                  "alert_end_ts", "alert_max_level", "cause", "ended_job",
+                  "ended_version")  # fmt: skip
+
+
+def _trail(trail: Any) -> list[tuple[float, float, float | None]]:
+    if not isinstance(trail, list) or len(trail) > 2 * TRAIL_S / TRAIL_EVERY_S + 2:
+        raise ValueError("watch trail: must be a short list")
+    out = []
+    for p in trail:
+        if not (isinstance(p, list) and len(p) == 3 and _finite(p[0]) and _finite(p[1])
+                and (p[2] is None or _finite(p[2]))):  # fmt: skip
+            raise ValueError(f"watch trail: {p!r} is not [ts, level, tto or null]")
+        out.append((float(p[0]), float(p[1]), None if p[2] is None else float(p[2])))
+    return out
+
+
+def _scalar(k: str, v: Any) -> Any:
+    if k in ("alert_id", "cause", "ended_job", "ended_version"):
+        if v is not None and not isinstance(v, str):
+            raise ValueError(f"watch {k}: must be a string or null")
+        return v
+    if k in ("max_level", "alert_max_level"):
+        if not _finite(v if v is not None else 0.0):
+            raise ValueError(f"watch {k}: must be a number")
+        return float(v or 0.0)
+    if v is not None and not _finite(v):
+        raise ValueError(f"watch {k}: must be a number or null")
+    return v
 
 
 @dataclass(frozen=True)
@@ -223,6 +266,8 @@ def observe(
     what the domain's diagnosis says now, asked only when an alert fires."""
     ts = sample.ts
     out: list[Outcome] = []
+    if w.ended is not None and ts - (w.ended.last_ts or ts) >= CENSOR_S:
+        out.extend(_decide_ended(w, s, sample))  # no OOM came for the job before this one
     if w.start_ts is None:
         w.start_ts = w.flushed_ts = ts
     level = sample.used_frac
@@ -259,7 +304,7 @@ def _settled(
 ) -> Outcome:
     kind = "near_miss" if w.alert_max_level >= NEAR_LEVEL else "false_alarm"
     out = Outcome(
-        id=outcome_id(kind, s.role, w.alert_id, w.alert_ts),
+        id=alert_outcome_id(s.role, w.alert_id, w.alert_ts),
         outcome=kind,
         ts=ts,
         alert_ts=w.alert_ts,
@@ -299,8 +344,27 @@ def on_oom(
     version: str,
 ) -> list[Outcome]:
     """The domain's job ran out of memory at ``oom_ts`` (``last``: its newest sample): the
-    OOM's outcome and the job's exposure; the watch starts over for the next job. The
-    level and the forecast before it are read from the watch's trail."""
+    OOM's outcome and the job's exposure; the watch starts over for the next job. An OOM
+    that came before the current job's first sample, within ``CENSOR_S`` of the previous
+    job's last, is that job's (its event read after the new job's first samples). An OOM
+    with no job watched since the last one (a repeat event) decides nothing."""
+    e = w.ended
+    if (
+        e is not None
+        and (w.start_ts is None or oom_ts < w.start_ts)
+        and (e.last_ts is not None and oom_ts <= e.last_ts + CENSOR_S)
+    ):
+        ended_job, ended_version = w.ended_job, w.ended_version or version
+        _forget_ended(w)
+        return _oom(e, s, last, oom_ts, ended_job, ended_version)
+    if w.start_ts is None:
+        return []
+    return _oom(w, s, last, oom_ts, job, version)
+
+
+def _oom(
+    w: Watch, s: Scored, last: Sample, oom_ts: float, job: str | None, version: str
+) -> list[Outcome]:
     lead = None
     warned = "no"
     if (
@@ -331,6 +395,7 @@ def on_oom(
             time_to_oom_s=tto,
             tto_error=None if tto is None or true_tto is None else abs(tto - true_tto) / true_tto,
             cause=w.cause if lead is not None else None,
+            claims=alert_outcome_id(s.role, w.alert_id, w.alert_ts) if lead is not None else None,
             **_base(w, s, last, job, version),
         )
     ]
@@ -340,22 +405,35 @@ def on_oom(
     return out
 
 
+def hand_over(
+    w: Watch, s: Scored, last: Sample | None, job: str | None, version: str
+) -> tuple[Watch, list[Outcome]]:
+    """Another job took the domain: the watch for it, holding this job's as ``ended`` (its
+    OOM event may still come); an older ended job's outcome is decided now."""
+    out = _decide_ended(w, s, last)
+    fresh = Watch()
+    if w.start_ts is not None:
+        fresh.ended, fresh.ended_job, fresh.ended_version = w, job, version
+    return fresh, out
+
+
 def on_end(
     w: Watch, s: Scored, last: Sample | None, job: str | None, version: str
 ) -> list[Outcome]:
-    """The job ended without an OOM (another job took the domain, it fell silent, its
-    timeline was reset): an alert standing or ended within ``CENSOR_S`` is censored, one
-    ended earlier is settled as it stood; the job's exposure; the watch starts over."""
+    """The job ended without an OOM (it fell silent, its timeline was reset): an alert
+    standing or ended within ``CENSOR_S`` is censored, one ended earlier is settled as it
+    stood; the job's exposure; the watch starts over. An ended job still held is decided
+    first."""
+    out = _decide_ended(w, s, last)
     if last is None or w.start_ts is None:
         _reset(w)
-        return []
-    out = []
+        return out
     if w.alert_ts is not None:
         end = w.last_ts if w.last_ts is not None else last.ts
         if w.alert_end_ts is None or end - w.alert_end_ts < CENSOR_S:
             out.append(
                 Outcome(
-                    id=outcome_id("censored", s.role, w.alert_id, w.alert_ts),
+                    id=alert_outcome_id(s.role, w.alert_id, w.alert_ts),
                     outcome="censored",
                     ts=end,
                     alert_ts=w.alert_ts,
@@ -371,6 +449,19 @@ def on_end(
     return out
 
 
+def _decide_ended(w: Watch, s: Scored, last: Sample | None) -> list[Outcome]:
+    e = w.ended
+    if e is None:
+        return []
+    job, version = w.ended_job, w.ended_version or "unknown"
+    _forget_ended(w)
+    return on_end(e, s, last, job, version)
+
+
+def _forget_ended(w: Watch) -> None:
+    w.ended = w.ended_job = w.ended_version = None
+
+
 def _end(w: Watch, s: Scored, last: Sample, job: str | None, version: str) -> list[Outcome]:
     out = []
     if w.flushed_ts is not None and w.last_ts is not None and w.last_ts > w.flushed_ts:
@@ -380,9 +471,11 @@ def _end(w: Watch, s: Scored, last: Sample, job: str | None, version: str) -> li
 
 
 def _reset(w: Watch) -> None:
+    """The watch starts over for the next job (an ended job it holds is kept)."""
     fresh = Watch()
     for k in (*_WATCH_SCALARS, "episode", "trail"):
-        setattr(w, k, getattr(fresh, k))
+        if k not in ("ended_job", "ended_version"):
+            setattr(w, k, getattr(fresh, k))
 
 
 def _before(

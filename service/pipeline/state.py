@@ -30,6 +30,7 @@ from oomcast.service.pipeline.outcomes import (
     Outcome,
     Scored,
     Watch,
+    hand_over,
     observe,
     on_end,
     on_oom,
@@ -286,6 +287,15 @@ class LiveState:
             if w is not None:
                 self.outcomes.extend(on_end(w, s, st.last, st.job, self._version(st)))
 
+    def _hand_over(self, st: DomainState) -> None:
+        """Another job took the domain: each scored model's watch starts afresh, holding the
+        ended job's until its OOM event can no longer come."""
+        for s in self.scored:
+            w = st.watches.get(s.role)
+            if w is not None:
+                st.watches[s.role], found = hand_over(w, s, st.last, st.job, self._version(st))
+                self.outcomes.extend(found)
+
     def _observe(self, st: DomainState, sample: Sample, fc: Forecast) -> None:
         for s in self.scored:
             w = st.watches.get(s.role)
@@ -429,7 +439,7 @@ class LiveState:
             # Another job on the same device: its history is not this one's. The node
             # agent restarts its embedding here too; samples that come over HTTP have
             # their embedding computed in this state, so it must restart the same way.
-            self._end_watches(st)
+            self._hand_over(st)
             self._restart_forecaster(st)
             reason = f"job {sample.job} replaced {st.job}"
             result.alerts.extend(self._end_episodes(st, reason, now=now, new_job=True, job=st.job))
@@ -671,7 +681,8 @@ class LiveState:
         st = self._state(event.domain)
         st.last_seen_wall = now
         if st.last is not None and (st.last_oom_ts is None or event.ts > st.last_oom_ts):
-            for s in self.scored:  # each scored model's outcome of the OOM
+            # each scored model's outcome of the OOM (none for a repeat event of one job)
+            for s in self.scored:
                 w = st.watches.setdefault(s.role, Watch())
                 self.outcomes.extend(on_oom(w, s, st.last, event.ts, st.job, self._version(st)))
         st.ooms_seen += 1

@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from support import GIB, wait_until
 
 from oomcast.model.wire import Keys, encode_samples
+from oomcast.service.cluster.snapshot import field_of
 from oomcast.service.main import create_app
 from oomcast.service.pipeline.outcomes import CHAMPION, Outcome
 from oomcast.service.scorecard import (
@@ -51,6 +52,19 @@ WEEK = [
     outcome(8, "exposure", seconds=3600.0),
     outcome(9, "exposure", seconds=3600.0),
 ]
+
+
+def on(redis_url: str, prefix: str, keys: tuple[str, ...], method: str, *args: Any) -> Any:
+    """One call of an OutcomeStore's ``method``, on a client of its own event loop."""
+
+    async def call() -> Any:
+        client = aioredis.from_url(redis_url)
+        try:
+            return await getattr(OutcomeStore(client, prefix, seal_keys=keys), method)(*args)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(call())
 
 
 def test_the_figures_match_a_count_by_hand() -> None:
@@ -112,9 +126,44 @@ def test_entries_not_sealed_by_the_service_are_left_out_and_counted(
         return scorecard(read, NOW - 60, time.time())
 
     card = asyncio.run(scenario())
-    assert card["left_out"] == {"forged": 3, "malformed": 0}
+    assert card["left_out"] == {"forged": 3, "malformed": 0, "repeats": 0}
     [model] = card["models"]
     assert (model["ooms"], model["warned_30s"]) == (1, 0)
+
+
+def test_copies_of_a_sealed_entry_count_once_and_a_garbled_seal_is_forged(
+    redis_url: str, key_prefix: str, rclient: redis.Redis
+) -> None:
+    """A writer to Redis cannot forge a seal, but could copy a genuine warned OOM many
+    times, or write a seal that is not text."""
+    keys = outcome_keys("k", None)
+    on(redis_url, key_prefix, keys, "record", [outcome(30, "oom", warned="30s", oom_class="long")])
+    stream = stream_key(key_prefix)
+    [(_, genuine)] = rclient.xrange(stream)
+    for _ in range(5):
+        rclient.xadd(stream, genuine)
+    rclient.xadd(stream, {"o": genuine[b"o"], "sig": b"\xff\xfe"})
+    read = on(redis_url, key_prefix, keys, "read", NOW - 60)
+    assert len(read.outcomes) == 1 and read.repeats == 5 and read.forged == 1
+
+
+def test_an_outcome_older_than_the_retention_is_still_refused_when_repeated(
+    redis_url: str, key_prefix: str
+) -> None:
+    """Replays keep their traces' own times: the ids are kept by when they were recorded."""
+    old = outcome(40, "oom", warned="no", oom_class="long", ts=NOW - 90 * 86400)
+    assert on(redis_url, key_prefix, (), "record", [old]) == [True]
+    assert on(redis_url, key_prefix, (), "record", [old]) == [False]
+
+
+def test_an_alert_is_decided_once_even_if_a_replay_decides_it_differently(
+    redis_url: str, key_prefix: str
+) -> None:
+    """An OOM that claims an alert records the alert as claimed: the same alert decided
+    again as censored (a successor restored from an older snapshot) is a repeat."""
+    claimed = outcome(50, "oom", warned="30s", oom_class="long", claims="alert-1")
+    censored = outcome(51, "censored", id="alert-1")
+    assert on(redis_url, key_prefix, (), "record", [claimed, censored]) == [True, False]
 
 
 def settings(redis_url: str, prefix: str, **kw: Any) -> Settings:
@@ -144,7 +193,8 @@ def test_the_service_decides_outcomes_and_serves_the_scorecard(
     samples still forecast and score)."""
     keys = Keys(key_prefix, 1)
     start = time.time() - 600
-    with TestClient(create_app(settings(redis_url, key_prefix))) as c:
+    # a domain is snapshotted once an hour unless something urgent happens to it
+    with TestClient(create_app(settings(redis_url, key_prefix, snapshot_every_s=3600))) as c:
         assert wait_until(lambda: c.get("/readyz").status_code == 200)
         warned = [payload("gpu0", start + t, 0.5 if t < 100 else 0.95) for t in range(140)]
         missed = [payload("gpu1", start + t, 0.5) for t in range(140)]
@@ -173,6 +223,13 @@ def test_the_service_decides_outcomes_and_serves_the_scorecard(
         assert (model["ooms"], model["warned_30s"], model["missed_30s"]) == (2, 1, 1)
         assert model["median_lead_s"] == pytest.approx(40.0, abs=2.0)
         assert card()["sealed"] is True
+        # the OOMs' domains were snapshotted with the batch that decided them, whatever the
+        # snapshot schedule: a successor restoring them would not decide them again
+        # (gpu1's: with no alert, nothing else makes its OOM batch snapshot it)
+        blob = rclient.hget(f"{key_prefix}:snapshot:{{0}}", field_of(("n1", "gpu1")))
+        assert blob is not None
+        body = json.loads(blob.split(b"\n", 2)[2])
+        assert body["watches"][CHAMPION]["start_ts"] is None
         metrics = c.get("/metrics").text
         assert 'outcome="oom"' in metrics and 'warned="30s"' in metrics and 'warned="no"' in metrics
         by_device = c.get("/v1/scorecard", params={"since": "7d", "by": "cause"})

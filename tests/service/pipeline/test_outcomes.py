@@ -99,9 +99,33 @@ def test_an_alert_with_no_oom_settles_as_a_false_alarm_or_a_near_miss() -> None:
 def test_a_job_that_ends_while_its_alert_stands_leaves_it_censored() -> None:
     st = live()
     feed(st, [(0, 0.5), (100, 0.95), (130, 0.0)], job="a")
-    st.apply([sample(T0 + 131.0, 0.2, job="b")], now=T0 + 131)  # another job takes the GPU
-    [c] = decided(st)
+    feed(st, [(131, 0.2), (185, 0.0)], job="b")  # another job takes the GPU
+    assert decided(st) == []  # a's OOM event may still come
+    feed(st, [(185, 0.2), (195, 0.0)], job="b")
+    [c] = decided(st)  # a minute after a's last sample: none came
     assert (c.outcome, c.job) == ("censored", "a")
+
+
+def test_an_oom_event_read_after_the_next_jobs_first_sample_is_the_ended_jobs() -> None:
+    """The sample streams are read before the events: job b's first sample can come first."""
+    st = live()
+    feed(st, [(0, 0.5), (100, 0.95), (140, 0.0)], job="a")
+    st.apply([sample(T0 + 141.0, 0.2, job="b")], now=T0 + 141)
+    st.on_event(Event(T0 + 140.0, "n1", "gpu0", "oom"), now=T0 + 141)
+    [oom] = decided(st)
+    assert (oom.job, oom.warned, oom.oom_class) == ("a", "30s", "long")
+    assert oom.lead_s == pytest.approx(40.0)
+    feed(st, [(142, 0.2), (300, 0.0)], job="b")
+    assert decided(st) == []  # b's watch went on untouched; a is not decided again
+
+
+def test_a_repeated_oom_event_of_one_job_is_not_a_second_oom() -> None:
+    """The cgroup source sends an event per kill it reads: several ranks, several events."""
+    st = live()
+    feed(st, [(0, 0.5), (100, 0.95), (140, 0.0)])
+    st.on_event(Event(T0 + 140.0, "n1", "gpu0", "oom"), now=T0 + 140)
+    st.on_event(Event(T0 + 142.0, "n1", "gpu0", "oom"), now=T0 + 142)
+    assert [o.warned for o in decided(st)] == ["30s"]
 
 
 def test_a_silent_domain_settles_its_alert_when_it_expires() -> None:
@@ -118,7 +142,7 @@ def test_exposure_adds_up_to_the_jobs_watched_seconds() -> None:
     feed(st, [(0, 0.5), (end, 0.0)])
     st.expire(now=T0 + end + 1000, live_after_s=60)
     exposure = [o for o in st.take_outcomes() if o.outcome == "exposure"]
-    assert len(exposure) == 2  # flushed once an hour in, and at the job's end
+    assert len(exposure) == 2  # flushed once EXPOSURE_FLUSH_S in, and at the end
     assert sum(o.seconds for o in exposure) == pytest.approx(end - 1)
     assert len({o.id for o in exposure}) == 2
 

@@ -78,6 +78,20 @@ def report_lines(card: dict[str, Any]) -> list[str]:
     return out
 
 
+def _problems(body: Any) -> str:
+    """FastAPI's 422 detail as one line: ``--since 1 week: ...``."""
+    detail = body.get("detail") if isinstance(body, dict) else body
+    if not isinstance(detail, list):
+        return str(detail)
+    out = []
+    for d in detail:
+        loc = d.get("loc", []) if isinstance(d, dict) else []
+        name = str(loc[-1]) if loc else "request"
+        hint = " (7d, 24h, 90m, 3600s, 2w, or unix seconds)" if name == "since" else ""
+        out.append(f"--{name}: {d.get('msg') if isinstance(d, dict) else d}{hint}")
+    return "; ".join(out)
+
+
 def run(args: Any) -> int:
     import httpx
 
@@ -98,7 +112,7 @@ def run(args: Any) -> int:
             f"{args.url}: 401: the service wants a token (--token or OOMCAST_API_TOKEN)"
         )
     if r.status_code == 422:
-        raise UsageError(f"{args.url}: {r.json().get('detail')}")
+        raise UsageError(f"{args.url} refused the request: {_problems(r.json())}")
     if r.status_code != 200:
         raise UsageError(f"{args.url}/v1/scorecard: HTTP {r.status_code}: {r.text[:300]}")
     card = r.json()

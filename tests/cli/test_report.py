@@ -92,7 +92,7 @@ def test_report_reads_a_running_service(
         card = json.loads(capsys.readouterr().out)
         assert card["models"][0]["false_alarms"] == 1 and card["sealed"] is True
         a.since = "yesterday"
-        with pytest.raises(UsageError, match="since="):
+        with pytest.raises(UsageError, match=r"--since: .*7d, 24h"):
             run(a)
     finally:
         proc.terminate()

@@ -501,10 +501,16 @@ RUNS: dict[str, Run] = {
 }
 
 NVML = "reads NVML: needs an NVIDIA driver and GPU (without them it exits 2, saying so)"
+REPORT = (
+    "reads a running service's GET /v1/scorecard (at OOMCAST_URL): tests/cli/test_report.py"
+    " runs it against a real `oomcast serve` on outcomes it put on record"
+)
 NOT_RUN: dict[str, str] = {
     "oomcast top --url http://127.0.0.1:8000": "redraws until Ctrl-C, against a service: the"
     " `oomcast serve --host 0.0.0.0 --port 8000` line's run sends it, `--once`, to that"
     " service (and tests/cli/test_top.py checks what it prints)",
+    "oomcast report --since 7d": REPORT,
+    "oomcast report --since 7d --by kind": REPORT,
     "oomcast collect --source nvml,cgroup": NVML,
     "oomcast collect --source nvml --priority 'pod:*=0' --priority 'batch-*=-10'": NVML,
     "oomcast bench faults": "all 8 scenarios take 4-5 minutes; the same bench runs here as"

@@ -86,7 +86,9 @@ def test_since_takes_spans_and_unix_seconds_and_names_what_is_wrong() -> None:
     assert parse_since("7d", NOW) == NOW - 7 * 86400
     assert parse_since("90m", NOW) == NOW - 5400
     assert parse_since(str(NOW - 5), NOW) == NOW - 5
-    for bad in ("seven days", "-1d", "0h", "12", "1e20", "1e300d", "nan"):
+    assert parse_since("0h", NOW) == NOW  # an empty window
+    assert parse_since("99999999d", NOW) == 0.0  # as far back as there is
+    for bad in ("seven days", "-1d", "12", "1e20", "1e300d", "nan", ""):
         with pytest.raises(ValueError, match="since="):
             parse_since(bad, NOW)
 
@@ -235,4 +237,8 @@ def test_the_service_decides_outcomes_and_serves_the_scorecard(
         by_device = c.get("/v1/scorecard", params={"since": "7d", "by": "cause"})
         assert by_device.status_code == 200
         bad = c.get("/v1/scorecard", params={"since": "last week"})
-        assert bad.status_code == 422 and "since=" in bad.text
+        assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["query", "since"]
+        empty = c.get("/v1/scorecard", params={"since": "1h", "until": "0"})  # ends before
+        assert empty.status_code == 200 and empty.json()["outcomes"] == 0
+        future = c.get("/v1/scorecard", params={"since": "2" + "0" * 16})  # past any stream id
+        assert future.status_code == 200 and future.json()["outcomes"] == 0

@@ -1,8 +1,9 @@
 """What the ``oomcast`` subcommands share: the usage error, the Redis key layout from the
-environment, and stopping on SIGTERM / SIGINT."""
+environment, stopping on SIGTERM / SIGINT, and the headers of a request to the service."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from pathlib import Path
@@ -84,3 +85,10 @@ def stop_on_signals() -> threading.Event:
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     return stop
+
+
+def api_headers(token: str | None) -> dict[str, str]:
+    """The headers of a request to the service's API: its token (``--token``, else
+    ``OOMCAST_API_TOKEN``) as a bearer, when there is one (``oomcast top``, ``report``)."""
+    token = token or os.environ.get("OOMCAST_API_TOKEN")
+    return {"Authorization": f"Bearer {token}"} if token else {}

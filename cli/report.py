@@ -11,11 +11,10 @@ API gives it. The rendering (``report_lines``) is a pure function of that scorec
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any
 
-from oomcast.cli.common import UsageError
+from oomcast.cli.common import UsageError, api_headers
 
 BY = ("kind", "node", "job", "cause", "model_version")
 
@@ -97,8 +96,7 @@ def run(args: Any) -> int:
 
     if args.by is not None and args.by not in BY:
         raise UsageError(f"--by {args.by}: one of {', '.join(BY)}")
-    token = args.token or os.environ.get("OOMCAST_API_TOKEN")
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = api_headers(args.token)
     params: dict[str, Any] = {"since": args.since}
     if args.by:
         params["by"] = args.by

@@ -13,10 +13,11 @@ so what it prints is tested without a terminal.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
+
+from oomcast.cli.common import api_headers
 
 GIB = 1 << 30
 
@@ -176,8 +177,7 @@ def fleet_table(data: dict[str, Any], width: int, rows: int) -> Any:
 def run(args: Any) -> int:
     import httpx
 
-    token = args.token or os.environ.get("OOMCAST_API_TOKEN")
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = api_headers(args.token)
     client = httpx.Client(base_url=args.url, timeout=5.0, headers=headers)
     plain = args.plain or args.once or not sys.stdout.isatty()
     try:

@@ -25,30 +25,73 @@ from oomcast.model.wire import redact_url, redis_url_from_env
 def cmd_dump(args: argparse.Namespace) -> int:
     import redis
 
-    from oomcast.training.from_redis import dump_trace
-
-    folder = Path(args.out).parent
-    if not folder.is_dir():  # a typo in the path should not leave folders behind
-        raise UsageError(f"--out {args.out}: the folder {folder} does not exist")
     url = args.redis_url or redis_url_from_env()
     client = redis.Redis.from_url(url, socket_connect_timeout=2.0)
     try:
-        result = dump_trace(
-            client,
-            keys_from_env(),
-            args.node,
-            args.out,
-            devices=set(args.device) if args.device else None,
-            since=args.since,
-            until=args.until,
-        )
+        return _dump_outcomes(client, args) if args.outcomes else _dump_node(client, args)
     except redis.RedisError as exc:
         raise UsageError(f"cannot read from Redis at {redact_url(url)}: {exc}") from None
+
+
+def _dump_node(client: Any, args: argparse.Namespace) -> int:
+    from oomcast.training.from_redis import dump_trace
+
+    if not args.node:
+        raise UsageError("give --node NODE (whose stream to dump) or --outcomes")
+    folder = Path(args.out).parent
+    if not folder.is_dir():  # a typo in the path should not leave folders behind
+        raise UsageError(f"--out {args.out}: the folder {folder} does not exist")
+    result = dump_trace(
+        client,
+        keys_from_env(),
+        args.node,
+        args.out,
+        devices=set(args.device) if args.device else None,
+        since=args.since,
+        until=args.until,
+    )
     print(
         f"wrote {result.path}: {result.samples} samples of {len(result.domains)} domains"
         f" ({', '.join(result.domains)}), {result.events} events ({result.ooms} oom);"
         f" skipped {result.skipped_entries} bad entries, {result.duplicates} duplicates"
     )
+    return 0
+
+
+def _dump_outcomes(client: Any, args: argparse.Namespace) -> int:
+    import os
+
+    from oomcast.service.kept import kept_keys
+    from oomcast.training.from_redis import dump_outcomes
+
+    if args.node or args.device or args.until is not None:
+        raise UsageError("--outcomes dumps every kept trace: --node, --device and --until"
+                         " do not apply (--since does)")  # fmt: skip
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: with --outcomes it is a folder, and this is a file")
+    if not out.parent.is_dir():
+        raise UsageError(f"--out {out}: the folder {out.parent} does not exist")
+    seal = kept_keys(
+        os.environ.get("OOMCAST_CONTROL_SECRET") or None,
+        os.environ.get("OOMCAST_WEBHOOK_SECRET") or None,
+    )
+    result = dump_outcomes(client, keys_from_env(), out, seal_keys=seal, since=args.since)
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(result.by_outcome.items())) or "none"
+    print(
+        f"wrote {len(result.written)} kept traces to {result.folder} ({kinds}) and"
+        f" {result.folder / 'outcomes.json'}; left out {result.forged} with a bad seal,"
+        f" {result.malformed} unreadable, {result.missing} expired"
+    )
+    if not result.sealed:
+        print(
+            "seals NOT checked: set OOMCAST_CONTROL_SECRET (or OOMCAST_WEBHOOK_SECRET) as the"
+            " service has it, or anyone who can write to Redis could have written these",
+            file=sys.stderr,
+        )
+    if result.written:
+        print(f"score them: {PROG} evaluate --traces {result.folder}; train on them:"
+              f" {PROG} train --extra-train {result.folder}")  # fmt: skip
     return 0
 
 
@@ -244,16 +287,24 @@ def cmd_card(args: argparse.Namespace) -> int:
 def add_parsers(sub: Any) -> None:
     du = sub.add_parser(
         "dump",
-        help="write what a node streamed to Redis as a labelled trace",
+        help="write what a node streamed to Redis, or the traces kept for the scorecard's"
+        " misses, as labelled traces",
         description="Read one node's samples and events back from Redis into a trace file"
-        " (.jsonl or .jsonl.gz) that evaluate and train read.",
+        " (.jsonl or .jsonl.gz) that evaluate and train read; or, with --outcomes, write the"
+        " traces the service kept for its missed OOMs, false alarms and near misses into a"
+        " folder.",
     )
     du.add_argument(
         "--node",
-        required=True,
         help="the node as its agent names it: its --node, by default the node's hostname",
     )
-    du.add_argument("--out", required=True, help="trace file to write")
+    du.add_argument(
+        "--outcomes",
+        action="store_true",
+        help="write the kept traces of missed OOMs, false alarms and near misses instead"
+        " (--out is then a folder; --since: kept at or after this unix time)",
+    )
+    du.add_argument("--out", required=True, help="trace file to write (a folder with --outcomes)")
     du.add_argument("--device", action="append", help="only this device (repeatable)")
     du.add_argument(
         "--since", type=float, default=None, help="unix time Redis received the first entry"

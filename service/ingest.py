@@ -50,6 +50,7 @@ from oomcast.service.cluster.leases import PartitionOwner, StaticPartitions
 from oomcast.service.cluster.ownership import Ownership, Snapshots
 from oomcast.service.cluster.snapshot import SnapshotStore
 from oomcast.service.delivery.outbox import Outbox
+from oomcast.service.kept import TraceKeeper
 from oomcast.service.metrics import Metrics, observe_many
 from oomcast.service.pipeline.actions import Dispatched
 from oomcast.service.pipeline.commit import Commit, Evaluated
@@ -114,6 +115,7 @@ class Ingestor:
         snapshot_history: int = 32,
         dispatcher: AlertDispatcher,
         outcomes: OutcomeStore | None = None,
+        keeper: TraceKeeper | None = None,
     ) -> None:
         self.client = client
         self.keys = keys
@@ -152,6 +154,8 @@ class Ingestor:
         # next batch when Redis fails, and are counted once whenever they are written.
         self.outcome_store = outcomes
         self._outcomes: list[Outcome] = []
+        # Keep requests for the samples of outcomes worth a trace (service/kept.py).
+        self.keeper = keeper
         self._last_claim = 0.0
         self._to_take: set[int] = set()  # acquired, not yet restored and claimed
         self._last_expire = time.monotonic()
@@ -491,6 +495,8 @@ class Ingestor:
             # Outcomes ahead of the snapshots that no longer hold what decided them (an OOM
             # is not seen again by a successor restoring a snapshot made after it).
             n = store.stage(pipe, outcomes) if store is not None else 0
+            if self.keeper is not None and store is not None:  # after them: results[:n]
+                self.keeper.stage(pipe, outcomes)
             if deliveries and outbox is not None:
                 outbox.stage(pipe, deliveries, time.time())
             for record in records:

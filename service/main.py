@@ -40,6 +40,7 @@ from oomcast.service.delivery.outbox import Outbox, outbox_keys
 from oomcast.service.delivery.webhook import WebhookTarget
 from oomcast.service.delivery.worker import DeliveryWorker, Target
 from oomcast.service.ingest import Ingestor
+from oomcast.service.kept import TraceKeeper, kept_keys
 from oomcast.service.metrics import Metrics
 from oomcast.service.pipeline import forecaster
 from oomcast.service.pipeline.actions import Dispatcher
@@ -162,6 +163,20 @@ def build_context(settings: Settings) -> ServiceContext:
         else None
     )
     secret = settings.control_secret.get_secret_value() if settings.control_secret else None
+    keeper = (
+        TraceKeeper(
+            client,
+            keys,
+            seal_keys=kept_keys(*_secrets(settings)),
+            key_for_node=node_keys(secret) if secret else None,
+            window_s=settings.kept_window_s,
+            max_count=settings.kept_traces,
+            retention_s=settings.kept_retention_s,
+            on_result=lambda result: metrics.kept.labels(result=result).inc(),
+        )
+        if outcome_store is not None and settings.kept_traces > 0
+        else None
+    )
     dispatcher = Dispatcher(
         keys,
         rules,
@@ -200,6 +215,7 @@ def build_context(settings: Settings) -> ServiceContext:
         snapshot_history=settings.snapshot_history,
         dispatcher=dispatcher,
         outcomes=outcome_store,
+        keeper=keeper,
     )
     if deliveries.alertmanager is not None:
         ingestor.ownership.keep_alive_in(deliveries.alertmanager)
@@ -230,10 +246,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.ctx = ctx
         await ctx.deliveries.start()
         ctx.tasks.append(asyncio.create_task(ctx.ingestor.run(), name="ingest"))  # tasks[0]
+        if ctx.ingestor.keeper is not None:
+            ctx.tasks.append(asyncio.create_task(ctx.ingestor.keeper.run(), name="keep-traces"))
         try:
             yield
         finally:
             await ctx.ingestor.stop(ctx.tasks[0])
+            for task in ctx.tasks[1:]:
+                task.cancel()
+            await asyncio.gather(*ctx.tasks[1:], return_exceptions=True)
             await ctx.deliveries.stop()  # what is still owed stays owed, in Redis
             await ctx.redis.aclose()
 

@@ -88,6 +88,14 @@ class Metrics:
             ["role", "model_version", "kind"],
             registry=r,
         )
+        # Traces kept for missed OOMs, false alarms and near misses (service/kept.py).
+        self.kept = Counter(
+            "oomcast_kept_traces_total",
+            "Keep requests served: kept, repeat (kept already), empty (the stream no longer"
+            " held the samples), forged (bad seal), malformed, failed (Redis)",
+            ["result"],
+            registry=r,
+        )
         # Deliveries to receivers (service/delivery/worker.py). result: delivered, retry (an attempt
         # failed and will be retried), refused, expired; for Alertmanager re-sends, resent
         # and resend_expired; forged: an item in the outbox the service did not stage (its

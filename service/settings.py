@@ -88,6 +88,12 @@ class Settings(BaseSettings):
     outcomes: bool = True
     outcomes_retention_s: float = Field(default=30 * 86400.0, ge=3600.0)
     outcomes_maxlen: int = Field(default=500_000, ge=1000)
+    # Traces kept for missed OOMs, false alarms and near misses (service/kept.py): at most
+    # kept_traces of them (0: none kept), each for kept_retention_s, each holding
+    # kept_window_s of samples before the OOM or the alert.
+    kept_traces: int = Field(default=1000, ge=0, le=100_000)
+    kept_retention_s: float = Field(default=14 * 86400.0, ge=3600.0)
+    kept_window_s: float = Field(default=600.0, ge=30.0, le=3600.0)
 
     # "model" (the ONNX LSTM) or the name of a baseline (see `oomcast evaluate`)
     forecaster: str = "model"

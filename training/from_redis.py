@@ -11,20 +11,30 @@ can send an entry twice, and a sample of the same domain at the same ts is the s
 is kept once and counted. Events of other nodes are left out. Entries that do not decode are
 counted and skipped, never guessed at. The streams are capped (``MAXLEN``), so a dump holds
 what they still hold.
+
+``dump_outcomes`` (``oomcast dump --outcomes``) writes out instead the traces the service
+kept for its missed OOMs, false alarms and near misses (``service/kept.py``).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis
 
 from oomcast.model.schema import Domain, Event, Record, Sample, SchemaError
 from oomcast.model.text import as_str
-from oomcast.model.trace import write_trace
+from oomcast.model.trace import TraceError, load_trace, write_trace
 from oomcast.model.wire import Keys, answer, decode_event, decode_samples
+from oomcast.service.kept import index_key, read_kept, trace_key
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -161,4 +171,71 @@ def dump_trace(
         ooms=sum(1 for e in events if e.event == "oom"),
         domains=sorted({s.device for s in samples}),
         **counts,
+    )
+
+
+@dataclass
+class OutcomesDump:
+    folder: Path
+    written: list[Path]
+    by_outcome: dict[str, int]
+    forged: int
+    missing: int
+    malformed: int
+    sealed: bool
+
+
+def _file_name(meta: dict[str, Any], tid: str) -> str:
+    found = meta.get("outcome")
+    o: dict[str, Any] = found if isinstance(found, dict) else {}
+    parts = [str(o.get("outcome", "outcome"))]
+    if o.get("outcome") == "oom":
+        parts.append(f"warned-{o.get('warned', 'no')}")
+    parts += [str(o.get("node", "node")), str(o.get("device", "device")), tid[:12]]
+    name = "-".join(re.sub(r"[^A-Za-z0-9_.]+", "_", p).strip("_") or "_" for p in parts)
+    return name + ".jsonl.gz"
+
+
+def dump_outcomes(
+    client: redis.Redis,
+    keys: Keys,
+    out: Path | str,
+    *,
+    seal_keys: tuple[str, ...] = (),
+    since: float | None = None,
+) -> OutcomesDump:
+    """Write the traces the service kept for missed OOMs, false alarms and near misses
+    (``service/kept.py``) into ``out``, one file each, and ``outcomes.json`` listing what
+    each is about. With ``seal_keys``, a trace whose seal fails is left out and counted."""
+    folder = Path(out)
+    index = answer(
+        client.zrangebyscore(
+            index_key(keys.prefix), "-inf" if since is None else since, "+inf", withscores=True
+        )
+    )
+    read = read_kept(
+        lambda tid: answer(client.hgetall(trace_key(keys.prefix, tid))), index, seal_keys
+    )
+    folder.mkdir(exist_ok=True)
+    written: list[Path] = []
+    listing: list[dict[str, Any]] = []
+    by_outcome: dict[str, int] = {}
+    malformed = 0
+    for kept in read.traces:
+        path = folder / _file_name(kept.meta, kept.id)
+        path.write_bytes(kept.body)
+        try:
+            load_trace(path)  # what evaluate and train will read: checked here
+        except (TraceError, OSError, EOFError) as exc:
+            path.unlink()
+            malformed += 1
+            log.warning("kept trace %s left out: %s", kept.id, exc)
+            continue
+        written.append(path)
+        outcome = kept.meta.get("outcome", {}).get("outcome", "?")
+        by_outcome[outcome] = by_outcome.get(outcome, 0) + 1
+        listing.append({"file": path.name, "kept_at": kept.at, **kept.meta})
+    (folder / "outcomes.json").write_text(json.dumps(listing, indent=1) + "\n")
+    return OutcomesDump(
+        folder, written, by_outcome, read.forged, read.missing, malformed, read.sealed
     )

@@ -505,7 +505,17 @@ REPORT = (
     "reads a running service's GET /v1/scorecard (at OOMCAST_URL): tests/cli/test_report.py"
     " runs it against a real `oomcast serve` on outcomes it put on record"
 )
+KEPT = (
+    "reads the traces a running service kept in Redis for its misses: tests/service/"
+    "test_kept.py runs `oomcast dump --outcomes` on a missed OOM the real app kept, and"
+    " `oomcast evaluate --traces` and `oomcast train --extra-train` on what it wrote"
+)
 NOT_RUN: dict[str, str] = {
+    "oomcast dump --outcomes --out fleet-misses": KEPT,
+    "oomcast evaluate --traces fleet-misses --json": KEPT,
+    "oomcast train --extra-train fleet-misses --out runs/with-fleet": "trains for up to 30"
+    " minutes on every source; tests/service/test_kept.py runs it for one epoch on a kept"
+    " trace (`--extra-train`) and a few plain shapes",
     "oomcast top --url http://127.0.0.1:8000": "redraws until Ctrl-C, against a service: the"
     " `oomcast serve --host 0.0.0.0 --port 8000` line's run sends it, `--once`, to that"
     " service (and tests/cli/test_top.py checks what it prints)",

@@ -137,7 +137,13 @@ class Run:
 
 
 @contextmanager
-def bench_run(domains: int, partitions: int, replicas: int = 1, workers: int = 1) -> Iterator[Run]:
+def bench_run(
+    domains: int,
+    partitions: int,
+    replicas: int = 1,
+    workers: int = 1,
+    shadow_model: str | None = None,
+) -> Iterator[Run]:
     """A private Redis, the fleet, and the service's environment; every process and the
     temporary folder gone on the way out."""
     logs = Path(tempfile.mkdtemp(prefix="oomcast-bench-ingest-"))
@@ -154,6 +160,8 @@ def bench_run(domains: int, partitions: int, replicas: int = 1, workers: int = 1
             OOMCAST_PARTITIONS=str(partitions),
             OOMCAST_CONTROL_SECRET=secret,
         )
+        if shadow_model:  # a second model scored beside the one that acts
+            env["OOMCAST_SHADOW_MODEL_PATH"] = shadow_model
         fleet = Fleet(domains, secret)
         client = server.client()
         yield Run(procs, server, client, keys, env, fleet, replicas=replicas, workers=workers)
@@ -410,8 +418,10 @@ def bench_ingest(
     timeout_s: float = 600.0,
     replicas: int = 1,
     workers: int = 1,
+    shadow_model: str | None = None,
 ) -> dict[str, Any]:
-    """Run one measurement (see the module docstring) and return its figures."""
+    """Run one measurement (see the module docstring) and return its figures; with
+    ``shadow_model``, the service also scores that model beside its own."""
     if domains < 1 or seconds <= 0 or partitions < 1:
         raise ValueError(
             f"bench ingest: --domains ({domains}) and --partitions ({partitions}) must be at"
@@ -426,7 +436,7 @@ def bench_ingest(
         raise ValueError(f"bench ingest: --rate {rate:g} must be positive")
     if soak and rate is None:
         rate = SOAK_DEFAULT_RATE
-    with bench_run(domains, partitions, replicas, workers) as run:
+    with bench_run(domains, partitions, replicas, workers, shadow_model) as run:
         if rate is None:
             return drain(run, seconds, timeout_s)
         return rated(run, rate, seconds, soak, timeout_s)

@@ -171,6 +171,7 @@ def _bench_ingest(args: argparse.Namespace) -> int:
             partitions=args.partitions,
             replicas=replicas,
             workers=workers,
+            shadow_model=args.shadow_model,
         )
     except (ValueError, IngestBenchError) as exc:
         raise UsageError(str(exc)) from None
@@ -352,6 +353,13 @@ def add_bench_parser(sub: Any) -> None:
         help="ingest: write this many samples/s for --seconds and report latency (default: drain)",
     )
     b.add_argument("--soak", action="store_true", help="ingest: the rate mode, with RSS every 10 s")
+    b.add_argument(
+        "--shadow-model",
+        default=None,
+        metavar="PATH|BASELINE",
+        help="ingest: the service also scores this model beside its own"
+        " (OOMCAST_SHADOW_MODEL_PATH), to measure what a shadow costs",
+    )
     b.add_argument("--plot", default=None, help="ingest --soak: write a PNG of RSS over time here")
     b.add_argument(
         "--partitions", type=int, default=4, help="ingest, cluster: sample-stream partitions"

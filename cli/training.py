@@ -76,7 +76,10 @@ def _dump_outcomes(client: Any, args: argparse.Namespace) -> int:
         os.environ.get("OOMCAST_CONTROL_SECRET") or None,
         os.environ.get("OOMCAST_WEBHOOK_SECRET") or None,
     )
-    result = dump_outcomes(client, keys_from_env(), out, seal_keys=seal, since=args.since)
+    try:
+        result = dump_outcomes(client, keys_from_env(), out, seal_keys=seal, since=args.since)
+    except (ValueError, OSError) as exc:
+        raise UsageError(f"--out {out}: {exc}") from None
     kinds = ", ".join(f"{n} {k}" for k, n in sorted(result.by_outcome.items())) or "none"
     print(
         f"wrote {len(result.written)} kept traces to {result.folder} ({kinds}) and"
@@ -85,8 +88,9 @@ def _dump_outcomes(client: Any, args: argparse.Namespace) -> int:
     )
     if not result.sealed:
         print(
-            "seals NOT checked: set OOMCAST_CONTROL_SECRET (or OOMCAST_WEBHOOK_SECRET) as the"
-            " service has it, or anyone who can write to Redis could have written these",
+            "seals NOT checked: set the secret the service seals with (OOMCAST_CONTROL_SECRET,"
+            " or OOMCAST_WEBHOOK_SECRET when it has no control secret); anyone who can write"
+            " to Redis could have written these",
             file=sys.stderr,
         )
     if result.written:

@@ -18,6 +18,7 @@ from pydantic import SecretStr
 from redis.asyncio.cluster import RedisCluster
 
 from oomcast.model.control import node_keys
+from oomcast.model.forecast import Detector
 from oomcast.model.wire import Keys
 from oomcast.service.api.edge import EdgeMiddleware
 from oomcast.service.api.routes import (
@@ -44,9 +45,9 @@ from oomcast.service.kept import TraceKeeper, kept_keys
 from oomcast.service.metrics import Metrics
 from oomcast.service.pipeline import forecaster
 from oomcast.service.pipeline.actions import Dispatcher
-from oomcast.service.pipeline.outcomes import CHAMPION, Scored
+from oomcast.service.pipeline.outcomes import CHAMPION, SHADOW, Scored
 from oomcast.service.pipeline.rulefile import load_rules
-from oomcast.service.pipeline.rules import policy_rule
+from oomcast.service.pipeline.rules import AlertPolicy, policy_rule
 from oomcast.service.pipeline.state import LiveState
 from oomcast.service.scorecard import OutcomeStore, outcome_keys
 from oomcast.service.settings import Settings
@@ -123,6 +124,18 @@ def redis_client(settings: Settings, timeout_s: float) -> aioredis.Redis:
     )
 
 
+def scored_models(settings: Settings, policy: AlertPolicy, shadow: Detector | None) -> list[Scored]:
+    """Who the scorecard scores: the champion by the rule it acts with, and a shadow model
+    (if any) by its own validated rule, on a forecaster state of its own."""
+    if not settings.outcomes:
+        return []
+    out = [Scored(CHAMPION, policy_rule(policy, name="scored"))]
+    if shadow is not None:
+        rule = policy_rule(forecaster.shadow_policy(settings, shadow), name="scored-shadow")
+        out.append(Scored(SHADOW, rule, shadow.forecaster))
+    return out
+
+
 def build_context(settings: Settings) -> ServiceContext:
     keys = Keys(settings.key_prefix, settings.partitions)
     choice = forecaster.choose(settings)
@@ -132,6 +145,14 @@ def build_context(settings: Settings) -> ServiceContext:
     metrics.model.info(
         {"version": detector.forecaster.version, "kind": choice.kind, "provider": choice.provider}
     )
+    if settings.shadow_model_path and not settings.outcomes:
+        raise ValueError(
+            "OOMCAST_SHADOW_MODEL_PATH is set but OOMCAST_OUTCOMES=false: a shadow model is"
+            " only scored, and nothing would score it"
+        )
+    shadow = forecaster.choose_shadow(settings)
+    if shadow is not None:
+        metrics.shadow_model.info({"version": shadow.forecaster.version})
     rules = load_rules(settings.rules_path(), policy)
     log.info("rules from %s: %s", settings.rules_path(), "; ".join(r.describe() for r in rules))
     live = LiveState(
@@ -143,8 +164,8 @@ def build_context(settings: Settings) -> ServiceContext:
         attest_window_s=settings.attest_window_s,
         max_domains=settings.max_domains,
         max_domains_per_node=settings.max_domains_per_node,
-        # the model scored on the fleet's outcomes by the rule it was validated with
-        scored=[Scored(CHAMPION, policy_rule(policy, name="scored"))] if settings.outcomes else [],
+        # the models scored on the fleet's outcomes, each by the rule it was validated with
+        scored=scored_models(settings, policy, shadow),
     )
     # With leases, no round trip may outlast the slack between a lease's local deadline
     # and its expiry in Redis plus the commit margin (service/cluster/ownership.py): 0.4 x the TTL.
@@ -252,9 +273,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             await ctx.ingestor.stop(ctx.tasks[0])
-            for task in ctx.tasks[1:]:
-                task.cancel()
-            await asyncio.gather(*ctx.tasks[1:], return_exceptions=True)
+            if ctx.ingestor.keeper is not None:
+                await ctx.ingestor.keeper.stop(ctx.tasks[1])
             await ctx.deliveries.stop()  # what is still owed stays owed, in Redis
             await ctx.redis.aclose()
 

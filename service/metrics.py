@@ -92,7 +92,8 @@ class Metrics:
         self.kept = Counter(
             "oomcast_kept_traces_total",
             "Keep requests served: kept, repeat (kept already), empty (the stream no longer"
-            " held the samples), forged (bad seal), malformed, failed (Redis)",
+            " held the samples), unsigned (only samples their node did not sign), stale"
+            " (over an hour old), forged (bad seal), malformed, failed (Redis)",
             ["result"],
             registry=r,
         )
@@ -206,6 +207,11 @@ class Metrics:
             registry=r,
         )
         self.model = Info("oomcast_model", "The forecaster in use", registry=r)
+        self.shadow_model = Info(
+            "oomcast_shadow_model",
+            "The shadow model scored beside the forecaster, acting on nothing (empty: none)",
+            registry=r,
+        )
 
     def domain_forecasts(self, ranked: Sequence[DomainRow], cap: int) -> None:
         """The per-domain gauges anew from ``ranked`` (riskiest first): the first ``cap``

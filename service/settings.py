@@ -98,6 +98,9 @@ class Settings(BaseSettings):
     # "model" (the ONNX LSTM) or the name of a baseline (see `oomcast evaluate`)
     forecaster: str = "model"
     model_path: str | None = None  # default: the model shipped with oomcast
+    # A challenger scored beside the model that acts, on the same samples, acting on nothing
+    # (docs/scorecard.md): an ONNX model's path, or a baseline's name (`oomcast evaluate`).
+    shadow_model_path: str | None = None
     alert_horizon_s: int = 60
     alert_fire_risk: float = Field(default=0.5, gt=0, le=1)
     alert_resolve_risk: float = Field(default=0.2, ge=0, lt=1)

@@ -206,36 +206,53 @@ def dump_outcomes(
 ) -> OutcomesDump:
     """Write the traces the service kept for missed OOMs, false alarms and near misses
     (``service/kept.py``) into ``out``, one file each, and ``outcomes.json`` listing what
-    each is about. With ``seal_keys``, a trace whose seal fails is left out and counted."""
+    each is about. ``out`` must not exist or be empty: evaluate and train read every trace
+    in a folder, and an older dump's must not mix in. With ``seal_keys``, a trace whose
+    seal fails is left out and counted. One trace is in memory at a time."""
     folder = Path(out)
+    if folder.is_dir() and any(folder.iterdir()):
+        raise ValueError(
+            f"{folder} is not empty: evaluate and train read every trace in it, so an older"
+            " dump's would mix in; give a new folder"
+        )
     index = answer(
         client.zrangebyscore(
             index_key(keys.prefix), "-inf" if since is None else since, "+inf", withscores=True
         )
     )
-    read = read_kept(
-        lambda tid: answer(client.hgetall(trace_key(keys.prefix, tid))), index, seal_keys
-    )
     folder.mkdir(exist_ok=True)
     written: list[Path] = []
     listing: list[dict[str, Any]] = []
     by_outcome: dict[str, int] = {}
-    malformed = 0
-    for kept in read.traces:
+    left_out = {"forged": 0, "missing": 0, "malformed": 0}
+    for raw_id, at in index:
+        tid = as_str(raw_id)
+        kept = read_kept(
+            tid, float(at), answer(client.hgetall(trace_key(keys.prefix, tid))), seal_keys
+        )
+        if isinstance(kept, str):
+            left_out[kept] += 1
+            continue
         path = folder / _file_name(kept.meta, kept.id)
         path.write_bytes(kept.body)
         try:
             load_trace(path)  # what evaluate and train will read: checked here
         except (TraceError, OSError, EOFError) as exc:
             path.unlink()
-            malformed += 1
+            left_out["malformed"] += 1
             log.warning("kept trace %s left out: %s", kept.id, exc)
             continue
         written.append(path)
-        outcome = kept.meta.get("outcome", {}).get("outcome", "?")
+        outcome = str(kept.meta["outcome"].get("outcome", "?"))
         by_outcome[outcome] = by_outcome.get(outcome, 0) + 1
         listing.append({"file": path.name, "kept_at": kept.at, **kept.meta})
     (folder / "outcomes.json").write_text(json.dumps(listing, indent=1) + "\n")
     return OutcomesDump(
-        folder, written, by_outcome, read.forged, read.missing, malformed, read.sealed
+        folder,
+        written,
+        by_outcome,
+        left_out["forged"],
+        left_out["missing"],
+        left_out["malformed"],
+        bool(seal_keys),
     )

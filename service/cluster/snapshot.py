@@ -48,7 +48,13 @@ import orjson
 import redis.asyncio as aioredis
 
 from oomcast.model.embedding import EMBEDDING_VERSION, sample_dict
-from oomcast.model.forecast import Forecast, Forecaster, export_state, import_state
+from oomcast.model.forecast import (
+    Forecast,
+    Forecaster,
+    export_state,
+    import_state,
+    release_state,
+)
 from oomcast.model.phase import PhaseState
 from oomcast.model.schema import Domain, parse_sample
 from oomcast.model.signing import SIG_PREFIX, service_keys, sign, verify
@@ -68,7 +74,16 @@ HISTORY_POINTS = 32  # newest history points kept in a blob
 # a plain scalar (int, float, str, bool, None) travels as is, so fields added later are
 # carried without touching this module.
 STRUCTURED = frozenset(
-    {"domain", "forecaster_state", "history", "last", "forecast", "episodes", "watches"}
+    {
+        "domain",
+        "forecaster_state",
+        "shadow_states",
+        "history",
+        "last",
+        "forecast",
+        "episodes",
+        "watches",
+    }
 )
 # What only the replica holding the domain knows, and a blob must never set: when it restored
 # the domain, and since when its own signed samples came (a restored state's probation).
@@ -144,7 +159,11 @@ def unseal(stored: bytes, keys: Sequence[str], partition: int, name: str) -> byt
 
 
 def encode(
-    st: DomainState, forecaster: Forecaster, *, history_points: int = HISTORY_POINTS
+    st: DomainState,
+    forecaster: Forecaster,
+    *,
+    history_points: int = HISTORY_POINTS,
+    shadows: Mapping[str, Forecaster] | None = None,
 ) -> bytes:
     """``st`` as a blob: JSON behind a versioned magic prefix. Not compressed: zlib would
     save 40% of the bytes for a third more CPU, and the service's CPU is what is scarce."""
@@ -170,6 +189,12 @@ def encode(
         "phases": None if st.phases is None else st.phases.to_dict(),  # the job's schedule
         # what each scored model's alert and the job came to so far (pipeline/outcomes.py)
         "watches": {role: w.to_dict() for role, w in st.watches.items()},
+        # each shadow model's own forecaster state, with the model that made it
+        "shadows": {
+            role: {"model": model.version, "state": export_state(model, st.shadow_states[role])}
+            for role, model in (shadows or {}).items()
+            if role in st.shadow_states
+        },
         "scalars": {name: getattr(st, name) for name in SCALAR_FIELDS},
     }
     # orjson: the same JSON (no NaN can be in it: no time to OOM is null), a third the cost
@@ -280,6 +305,7 @@ def decode(
     history_len: int,
     now: float | None = None,
     max_future_s: float = MAX_FUTURE_S,
+    shadows: Mapping[str, Forecaster] | None = None,
 ) -> DomainState | None:
     """The domain state ``blob`` holds, with a forecaster state of ``forecaster`` (a fresh
     one when the blob was made by another model), or None, with a warning, when the blob
@@ -292,7 +318,7 @@ def decode(
         log.warning("ignoring a snapshot (%s); its domain starts cold", exc)
         return None
     try:
-        st = _restore(body, domain, forecaster, set(rule_names), history_len)
+        st = _restore(body, domain, forecaster, set(rule_names), history_len, shadows or {})
         if now is not None:
             _check_times(st, now + max_future_s)
         return st
@@ -308,6 +334,7 @@ def _restore(
     forecaster: Forecaster,
     rules: set[str],
     history_len: int,
+    shadows: Mapping[str, Forecaster],
 ) -> DomainState:
     last = body["last"]
     episodes = body["episodes"]
@@ -345,8 +372,31 @@ def _restore(
             forecaster.version,
             EMBEDDING_VERSION,
         )
-    # Last: the ONNX forecaster takes a slot here, once nothing else can fail.
-    st.forecaster_state = import_state(forecaster, body["forecaster"] if same_model else None)
+    saved = body.get("shadows") or {}  # absent from blobs older than shadow models
+    if not isinstance(saved, dict):
+        raise SnapshotError("snapshot shadows must be an object")
+    kept: dict[str, Mapping[str, Any]] = {}
+    for role, model in shadows.items():
+        entry = saved.get(role)
+        if (
+            isinstance(entry, dict)
+            and entry.get("model") == model.version
+            and body.get("emb_v") == EMBEDDING_VERSION
+            and isinstance(entry.get("state"), dict)
+        ):
+            kept[role] = entry["state"]  # else: that shadow starts cold on this domain
+    # Last: the ONNX forecasters take slots here, once nothing else can fail; a state that
+    # does not import gives back the slots taken before it.
+    taken: list[tuple[Forecaster, Any]] = []
+    try:
+        for role, data in kept.items():
+            taken.append((shadows[role], import_state(shadows[role], data)))
+            st.shadow_states[role] = taken[-1][1]
+        st.forecaster_state = import_state(forecaster, body["forecaster"] if same_model else None)
+    except Exception:
+        for model, slot in taken:
+            release_state(model, slot)
+        raise
     return st
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from oomcast.model.baselines import baseline_by_name
+from oomcast.model.baselines import baseline_by_name, baseline_detectors
 from oomcast.model.forecast import Detector
 from oomcast.service.pipeline.rules import AlertPolicy
 from oomcast.service.settings import Settings
@@ -74,3 +74,42 @@ def alert_policy(settings: Settings, choice: Choice) -> AlertPolicy:
         if "alert_resolve_risk" not in chosen:
             resolve = round(fire / 2, 4)
     return AlertPolicy(horizon, fire, resolve, fire_after, settings.alert_resolve_after)
+
+
+def choose_shadow(settings: Settings) -> Detector | None:
+    """The shadow model ``OOMCAST_SHADOW_MODEL_PATH`` names (an ONNX model, or a baseline by
+    name), or None. One that cannot be loaded stops the service at start-up, as a named
+    champion does: a challenger that silently is not there would score nothing."""
+    name = settings.shadow_model_path
+    if not name:
+        return None
+    baselines = [d.name for d in baseline_detectors()]
+    if name in baselines:
+        det = baseline_by_name(name)
+        log.info("shadow: the baseline %s, scored beside the champion", det.forecaster.version)
+        return det
+    try:
+        from oomcast.model.runtime import ModelLoadError, OnnxForecaster
+    except ImportError as exc:
+        raise RuntimeError(f"OOMCAST_SHADOW_MODEL_PATH={name}: no ONNX runtime ({exc})") from None
+    try:
+        fc = OnnxForecaster(name)
+    except ModelLoadError as exc:
+        raise ModelLoadError(
+            f"OOMCAST_SHADOW_MODEL_PATH={name}: {exc} (an ONNX model's path, or one of the"
+            f" baselines: {', '.join(baselines)})"
+        ) from None
+    log.info("shadow: model %s from %s, scored beside the champion", fc.version, name)
+    return Detector("shadow", fc, fc.rule)
+
+
+def shadow_policy(settings: Settings, shadow: Detector) -> AlertPolicy:
+    """The shadow's own validated rule: it is scored as it would alert if it acted."""
+    rule = shadow.rule
+    return AlertPolicy(
+        rule.horizon_s,
+        rule.fire_risk,
+        round(rule.fire_risk / 2, 4),
+        rule.fire_after,
+        settings.alert_resolve_after,
+    )

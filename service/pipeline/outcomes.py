@@ -51,6 +51,7 @@ TRAIL_EVERY_S = 5.0  # the level (and the forecast's time to OOM) kept every thi
 TRAIL_S = 180.0  # ... over this long: what an OOM's class and time-to-OOM error are read from
 EXPOSURE_FLUSH_S = 6 * 3600.0  # a job's watched seconds are written out at least this often
 CHAMPION = "champion"  # the model that acts; a shadow is scored beside it, acting on nothing
+SHADOW = "shadow"
 OUTCOMES = ("oom", "near_miss", "false_alarm", "censored", "exposure")
 WARNED = ("30s", "10s", "late", "no")
 OOM_CLASSES = ("long", "short", "sudden")
@@ -80,6 +81,8 @@ class Outcome:
     seconds: float = 0.0  # exposure: seconds of the job watched since the last flush
     cause: str | None = None  # what the alert said the OOM would come from
     claims: str | None = None  # an OOM's: the id of the alert it claims (alert_outcome_id)
+    # an alert's settled by an OOM long after it ended ("oom"): its samples run into the OOM
+    ended_by: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -114,7 +117,7 @@ class Outcome:
             raise ValueError(
                 f"outcome oom_class: {data['oom_class']!r} is not one of {OOM_CLASSES}"
             )
-        for name in ("job", "episode", "cause", "claims"):
+        for name in ("job", "episode", "cause", "claims", "ended_by"):
             if data.get(name) is not None and not isinstance(data[name], str):
                 raise ValueError(f"outcome {name}: must be a string or null")
         if "ts" not in data:
@@ -234,10 +237,13 @@ def _scalar(k: str, v: Any) -> Any:
 
 @dataclass(frozen=True)
 class Scored:
-    """Who is scored: ``role`` (champion, shadow), by its own ``rule``."""
+    """Who is scored: ``role`` (champion, shadow), by its own ``rule``. A shadow brings its
+    own ``forecaster``, stepped on the same samples with a state of its own per domain; the
+    champion's (None here) is the one that acts."""
 
     role: str
     rule: Rule
+    forecaster: Any = None  # a Forecaster; Any: this module does not import the model's
 
 
 def _base(w: Watch, s: Scored, sample: Sample, job: str | None, version: str) -> dict[str, Any]:
@@ -300,7 +306,13 @@ def observe(
 
 
 def _settled(
-    w: Watch, s: Scored, sample: Sample, job: str | None, version: str, ts: float
+    w: Watch,
+    s: Scored,
+    sample: Sample,
+    job: str | None,
+    version: str,
+    ts: float,
+    ended_by: str | None = None,
 ) -> Outcome:
     kind = "near_miss" if w.alert_max_level >= NEAR_LEVEL else "false_alarm"
     out = Outcome(
@@ -310,6 +322,7 @@ def _settled(
         alert_ts=w.alert_ts,
         episode=w.alert_id,
         cause=w.cause,
+        ended_by=ended_by,
         **_base(w, s, sample, job, version) | {"max_level": w.alert_max_level},
     )
     _clear_alert(w)
@@ -400,7 +413,7 @@ def _oom(
         )
     ]
     if w.alert_ts is not None and lead is None:  # an older alert, settled as it stood
-        out.insert(0, _settled(w, s, last, job, version, oom_ts))
+        out.insert(0, _settled(w, s, last, job, version, oom_ts, ended_by="oom"))
     out.extend(_end(w, s, last, job, version))
     return out
 

@@ -20,7 +20,13 @@ from typing import Any, NamedTuple
 
 from oomcast.model.events import ScheduleEvent
 from oomcast.model.forecast import Embedding as ForecastEmbedding
-from oomcast.model.forecast import Forecast, Forecaster, release_state, step_arrays
+from oomcast.model.forecast import (
+    Forecast,
+    Forecaster,
+    embedding_version,
+    release_state,
+    step_arrays,
+)
 from oomcast.model.phase import PhaseForecast, PhaseState
 from oomcast.model.schema import Domain, Event, Sample, SchemaError
 from oomcast.service.api.device_query import DeviceFilter, DevicePage, RankCache, query_devices
@@ -93,6 +99,9 @@ class DomainState:
     # Per scored model (champion, shadow): its own alert rule's episode and what the job
     # and the alert came to so far (service/pipeline/outcomes.py).
     watches: dict[str, Watch] = field(default_factory=dict)
+    # Per shadow model (a scored role with a forecaster of its own): its forecaster's state
+    # for this domain, stepped on the same samples as the champion's.
+    shadow_states: dict[str, Any] = field(default_factory=dict)
 
     def summary(self, horizon_s: int) -> dict[str, Any]:
         s, f = self.last, self.forecast
@@ -271,13 +280,16 @@ class LiveState:
         # The models scored on every domain's outcomes, and the outcomes decided since the
         # ingest loop last took them (``take_outcomes``).
         self.scored = list(scored)
+        self.shadows = [s for s in self.scored if s.forecaster is not None]
         self.outcomes: list[Outcome] = []
 
     def take_outcomes(self) -> list[Outcome]:
         out, self.outcomes = self.outcomes, []
         return out
 
-    def _version(self, st: DomainState) -> str:
+    def _version(self, st: DomainState, s: Scored) -> str:
+        if s.forecaster is not None:  # a shadow's outcomes are of its own model
+            return str(s.forecaster.version)
         return st.forecast.model_version if st.forecast is not None else self.forecaster.version
 
     def _end_watches(self, st: DomainState) -> None:
@@ -285,7 +297,7 @@ class LiveState:
         for s in self.scored:
             w = st.watches.get(s.role)
             if w is not None:
-                self.outcomes.extend(on_end(w, s, st.last, st.job, self._version(st)))
+                self.outcomes.extend(on_end(w, s, st.last, st.job, self._version(st, s)))
 
     def _hand_over(self, st: DomainState) -> None:
         """Another job took the domain: each scored model's watch starts afresh, holding the
@@ -293,17 +305,47 @@ class LiveState:
         for s in self.scored:
             w = st.watches.get(s.role)
             if w is not None:
-                st.watches[s.role], found = hand_over(w, s, st.last, st.job, self._version(st))
+                st.watches[s.role], found = hand_over(w, s, st.last, st.job, self._version(st, s))
                 self.outcomes.extend(found)
 
-    def _observe(self, st: DomainState, sample: Sample, fc: Forecast) -> None:
+    def _observe(
+        self, st: DomainState, sample: Sample, fc: Forecast, shadow: dict[str, Forecast]
+    ) -> None:
         for s in self.scored:
             w = st.watches.get(s.role)
             if w is None:
                 w = st.watches[s.role] = Watch()
-            found = observe(w, s, sample, fc, st.job, _cause, st)
+            found = observe(w, s, sample, shadow.get(s.role, fc), st.job, _cause, st)
             if found:
                 self.outcomes.extend(found)
+
+    def _step_shadows(
+        self, states: list[DomainState], samples: list[Sample], embs: list[Embedding]
+    ) -> list[dict[str, Forecast]]:
+        """Each shadow model stepped once for the round, on the same samples; per domain,
+        each shadow's forecast by role. The nodes' embeddings go along only where they are
+        of the shadow's own version."""
+        out: list[dict[str, Forecast]] = [{} for _ in states]
+        champion_v = embedding_version(self.forecaster)
+        for s in self.shadows:
+            fc_model = s.forecaster
+            slots = []
+            for st in states:
+                slot = st.shadow_states.get(s.role)
+                if slot is None:
+                    slot = st.shadow_states[s.role] = fc_model.init_state()
+                slots.append(slot)
+            same = embedding_version(fc_model) == champion_v
+            forecasts, _, _ = step_arrays(fc_model, slots, samples, embs if same else None)
+            for found, fc in zip(out, forecasts, strict=True):
+                found[s.role] = fc
+        return out
+
+    def _release_shadows(self, st: DomainState) -> None:
+        for s in self.shadows:
+            slot = st.shadow_states.pop(s.role, None)
+            if slot is not None:
+                release_state(s.forecaster, slot)
 
     def _end_episodes(
         self, st: DomainState, reason: str, *, now: float, new_job: bool, job: str | None
@@ -341,6 +383,7 @@ class LiveState:
             else:
                 self.per_node.pop(domain[0], None)
             release_state(self.forecaster, st.forecaster_state)
+            self._release_shadows(st)
             # /v1/devices' rank cache holds states too: a dropped domain must not live on
             # there (4,000 expired domains kept ~90 MB until the next unfiltered query)
             cache = self.__dict__.get("_rank_cache")
@@ -365,6 +408,7 @@ class LiveState:
     def _restart_forecaster(self, st: DomainState) -> None:
         release_state(self.forecaster, st.forecaster_state)
         st.forecaster_state = self.forecaster.init_state()
+        self._release_shadows(st)  # each starts afresh with its next sample
 
     def apply(
         self,
@@ -566,6 +610,7 @@ class LiveState:
         if not states:
             return
         forecasts, hot, risks, ttos = self._step(states, admitted, embs)
+        shadow = self._step_shadows(states, admitted, embs) if self.shadows else None
         out = result.forecasts
         horizon = self.horizon_s
         scored = self.scored
@@ -588,7 +633,7 @@ class LiveState:
             if fires or not st.quiet:
                 self._run_rules(st, sample, fc, attested, now, result)
             if scored:
-                self._observe(st, sample, fc)
+                self._observe(st, sample, fc, shadow[i] if shadow is not None else {})
             out.append((st, fc))
 
     def _step(
@@ -684,7 +729,7 @@ class LiveState:
             # each scored model's outcome of the OOM (none for a repeat event of one job)
             for s in self.scored:
                 w = st.watches.setdefault(s.role, Watch())
-                self.outcomes.extend(on_oom(w, s, st.last, event.ts, st.job, self._version(st)))
+                self.outcomes.extend(on_oom(w, s, st.last, event.ts, st.job, self._version(st, s)))
         st.ooms_seen += 1
         st.last_oom_ts = max(event.ts, st.last_oom_ts or event.ts)
         out = self._end_episodes(st, "the job ran out of memory", now=now, new_job=True, job=st.job)
@@ -755,7 +800,15 @@ class LiveState:
         from oomcast.service.cluster import snapshot
 
         points = snapshot.HISTORY_POINTS if history_points is None else history_points
-        return snapshot.encode(self.domains[domain], self.forecaster, history_points=points)
+        return snapshot.encode(
+            self.domains[domain],
+            self.forecaster,
+            history_points=points,
+            shadows=self._shadow_models(),
+        )
+
+    def _shadow_models(self) -> dict[str, Forecaster]:
+        return {s.role: s.forecaster for s in self.shadows}
 
     def restore(
         self, blob: bytes, now: float | None = None, *, max_future_s: float = 300.0
@@ -773,6 +826,7 @@ class LiveState:
             history_len=self.history_len,
             now=now,
             max_future_s=max_future_s,
+            shadows=self._shadow_models(),
         )
         if st is None:
             return None

@@ -511,6 +511,10 @@ KEPT = (
     " `oomcast evaluate --traces` and `oomcast train --extra-train` on what it wrote"
 )
 NOT_RUN: dict[str, str] = {
+    "OOMCAST_SHADOW_MODEL_PATH=/models/oomcast-lstm-next.onnx oomcast serve": "a model path"
+    " of the reader's; tests/service/test_scorecard.py runs the service with a shadow (a"
+    " baseline) and tests/service/pipeline/test_outcomes.py steps the shipped ONNX model as"
+    " one",
     "oomcast dump --outcomes --out fleet-misses": KEPT,
     "oomcast evaluate --traces fleet-misses --json": KEPT,
     "oomcast train --extra-train fleet-misses --out runs/with-fleet": "trains for up to 30"

@@ -10,8 +10,9 @@ import os
 import subprocess
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pytest
 import redis
@@ -23,6 +24,7 @@ from oomcast.model.control import node_keys
 from oomcast.model.schema import Event, Sample
 from oomcast.model.trace import load_trace
 from oomcast.model.wire import Keys, encode_event, encode_samples
+from oomcast.service import kept as kept_module
 from oomcast.service.kept import (
     TraceKeeper,
     index_key,
@@ -57,11 +59,20 @@ def payload(device: str, ts: float, frac: float, node: str = "n1") -> dict[str, 
 
 
 def publish(
-    client: redis.Redis, keys: Keys, node: str, payloads: list[dict[str, Any]], signed: bool = True
+    client: redis.Redis,
+    keys: Keys,
+    node: str,
+    payloads: list[dict[str, Any]],
+    signed: bool = True,
+    arrived_at_ts: bool = False,
 ) -> None:
+    """Entries of 10 samples each, as the node's agent writes them; with ``arrived_at_ts``,
+    each entry's id is its first sample's time (as if written then), else now."""
     key = node_keys(SECRET)(node) if signed else None
     for i in range(0, len(payloads), 10):
-        client.xadd(keys.samples_for(node), encode_samples(node, payloads[i : i + 10], key))
+        entry_id = f"{int(payloads[i]['ts'] * 1000)}-0" if arrived_at_ts else "*"
+        fields = encode_samples(node, payloads[i : i + 10], key)
+        client.xadd(keys.samples_for(node), cast(Any, fields), id=entry_id)
 
 
 def with_keeper(
@@ -103,6 +114,8 @@ def test_which_outcomes_are_kept_and_what_a_window_spans() -> None:
     assert not keeps(outcome("oom", 1000.0, warned="30s"))
     assert keeps(outcome("false_alarm", 1000.0, alert_ts=500.0))
     assert keeps(outcome("near_miss", 1000.0, alert_ts=500.0))
+    # an alert settled by an OOM long after it ended: its samples run into that OOM
+    assert not keeps(outcome("false_alarm", 1000.0, alert_ts=500.0, ended_by="oom"))
     assert not keeps(outcome("censored", 1000.0))
     assert not keeps(outcome("exposure", 1000.0, seconds=60.0))
     assert window(outcome("oom", 1000.0, warned="no"), 600.0) == (400.0, 1000.0)
@@ -112,7 +125,9 @@ def test_which_outcomes_are_kept_and_what_a_window_spans() -> None:
     shadow = outcome("oom", 1000.0, warned="no", role="shadow", id="x")
     assert trace_id(shadow) == trace_id(outcome("oom", 1000.0, warned="late"))
     fa1 = outcome("false_alarm", 1000.0, alert_ts=650.0)
-    assert trace_id(fa1) != trace_id(outcome("false_alarm", 1000.0, alert_ts=700.0))
+    assert trace_id(fa1) != trace_id(outcome("false_alarm", 1000.0, alert_ts=700.0, id="y"))
+    # the same alert decided again otherwise (a replay): still one trace
+    assert trace_id(fa1) == trace_id(replace(fa1, outcome="near_miss", ts=1010.0))
 
 
 def test_a_missed_oom_is_kept_once_with_its_domains_samples_and_its_oom(
@@ -287,3 +302,74 @@ def test_the_service_keeps_a_missed_oom_and_dump_writes_what_evaluate_reads(
     assert trained.returncode == 0, trained.stderr
     assert "sequences: train extra 1," in trained.stdout + trained.stderr
     assert (tmp_path / "run" / "checkpoint.pt").is_file()
+
+
+def test_an_outcome_decided_long_after_its_samples_arrived_keeps_them_all(
+    redis_url: str, key_prefix: str, rclient: redis.Redis, tmp_path: Path
+) -> None:
+    """A domain that went silent is settled when it expires, ten minutes after its last
+    sample arrived: the read follows the samples' time, not only the request's."""
+    keys = Keys(key_prefix, 1)
+    start = float(int(time.time())) - 1500
+    publish(rclient, keys, "n1", [payload("gpu0", start + t, 0.8) for t in range(400)],
+            arrived_at_ts=True)  # fmt: skip
+    fa = outcome("false_alarm", start + 399, alert_ts=start + 100)  # decided now, 1100 s on
+    assert keep(redis_url, keys, [fa]) == ["kept"]
+    done = dump_outcomes(rclient, keys, tmp_path / "out", seal_keys=SEAL)
+    assert len(load_trace(done.written[0]).samples[("n1", "gpu0")]) == 400
+
+
+def test_only_the_outcomes_job_and_the_newest_samples_when_the_scan_stops_early(
+    redis_url: str, key_prefix: str, rclient: redis.Redis, tmp_path: Path, monkeypatch: Any
+) -> None:
+    keys = Keys(key_prefix, 1)
+    start = float(int(time.time())) - 300
+    # the job before (it OOMed at 100 s) and the job that OOMs at 300 s, on one device
+    before = [payload("gpu0", start + t, 0.9) | {"job": "j0"} for t in range(100)]
+    after = [payload("gpu0", start + t, 0.5 + t / 1000) | {"job": "j1"} for t in range(100, 300)]
+    publish(rclient, keys, "n1", before + after)
+    o = outcome("oom", start + 300, warned="no", job="j1")
+    assert keep(redis_url, keys, [o]) == ["kept"]
+    done = dump_outcomes(rclient, keys, tmp_path / "a", seal_keys=SEAL)
+    samples = load_trace(done.written[0]).samples[("n1", "gpu0")]
+    assert {s.job for s in samples} == {"j1"} and len(samples) == 200
+    # a scan cut short keeps the newest samples, those right before the OOM
+    monkeypatch.setattr(kept_module, "SCAN_CHUNK", 5)
+    monkeypatch.setattr(kept_module, "MAX_SCAN", 10)  # entries: 100 of the 200 samples
+    o2 = outcome("oom", start + 300, warned="no", job="j1", device="gpu0", node="n1", id="z")
+    rclient.delete(index_key(key_prefix))
+    assert keep(redis_url, keys, [o2]) == ["kept"]
+    done = dump_outcomes(rclient, keys, tmp_path / "b", seal_keys=SEAL)
+    ts = [s.ts for s in load_trace(done.written[0]).samples[("n1", "gpu0")]]
+    assert len(ts) == 100 and ts[-1] == start + 299
+
+
+def test_without_node_keys_every_sample_is_kept_and_stale_requests_are_dropped(
+    redis_url: str, key_prefix: str, rclient: redis.Redis, tmp_path: Path
+) -> None:
+    keys = Keys(key_prefix, 1)
+    start = float(int(time.time())) - 100
+    publish(rclient, keys, "n1", [payload("gpu0", start + t, 0.7) for t in range(100)],
+            signed=False)  # fmt: skip
+    o = outcome("oom", start + 100, warned="no")
+    assert keep(redis_url, keys, [o]) == ["unsigned"]  # the service has node keys: none kept
+    assert keep(redis_url, keys, [o], key_for_node=None) == ["kept"]
+
+    async def stale(k: TraceKeeper) -> list[str]:
+        out: list[str] = []
+        k.on_result = out.append
+        pipe = k.client.pipeline(transaction=False)
+        k.stage(pipe, [replace(o, ts=o.ts - 1)], now=time.time() - 2 * 3600)
+        await pipe.execute()
+        await k.serve_one()
+        return out
+
+    assert with_keeper(redis_url, keys, stale) == ["stale"]
+
+
+def test_dump_refuses_a_folder_that_holds_something(
+    redis_url: str, key_prefix: str, rclient: redis.Redis, tmp_path: Path
+) -> None:
+    (tmp_path / "old.jsonl").write_text("")
+    with pytest.raises(ValueError, match="not empty"):
+        dump_outcomes(rclient, Keys(key_prefix, 1), tmp_path, seal_keys=SEAL)

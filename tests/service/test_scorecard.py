@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,10 +15,11 @@ import redis.asyncio as aioredis
 from fastapi.testclient import TestClient
 from support import GIB, wait_until
 
+from oomcast.model.runtime import ModelLoadError
 from oomcast.model.wire import Keys, encode_samples
 from oomcast.service.cluster.snapshot import field_of
-from oomcast.service.main import create_app
-from oomcast.service.pipeline.outcomes import CHAMPION, Outcome
+from oomcast.service.main import build_context, create_app
+from oomcast.service.pipeline.outcomes import CHAMPION, SHADOW, Outcome
 from oomcast.service.scorecard import (
     OutcomeStore,
     figures,
@@ -169,15 +171,15 @@ def test_an_alert_is_decided_once_even_if_a_replay_decides_it_differently(
 
 
 def settings(redis_url: str, prefix: str, **kw: Any) -> Settings:
+    given: dict[str, Any] = {"forecaster": "threshold_0.90"} | kw
     return Settings(
         redis_url=redis_url,
         key_prefix=prefix,
         partitions=1,
         consumer_name="svc-1",
-        forecaster="threshold_0.90",
         max_ts_skew_s=0,
         control_secret="c0ntrol",
-        **kw,
+        **given,
     )
 
 
@@ -242,3 +244,62 @@ def test_the_service_decides_outcomes_and_serves_the_scorecard(
         assert empty.status_code == 200 and empty.json()["outcomes"] == 0
         future = c.get("/v1/scorecard", params={"since": "2" + "0" * 16})  # past any stream id
         assert future.status_code == 200 and future.json()["outcomes"] == 0
+
+
+@pytest.mark.slow
+def test_a_shadow_model_is_scored_beside_the_champion_and_acts_on_nothing(
+    redis_url: str, key_prefix: str, rclient: redis.Redis
+) -> None:
+    """OOMCAST_SHADOW_MODEL_PATH names a baseline here (an ONNX path works the same): the
+    champion (95%) misses a climb to 92% that OOMs, the shadow (90%) warns of it; the
+    scorecard has both, each with its own version; only the champion's alerts are raised."""
+    keys = Keys(key_prefix, 1)
+    start = time.time() - 600
+    app = create_app(
+        settings(
+            redis_url, key_prefix, forecaster="threshold_0.95", shadow_model_path="threshold_0.90"
+        )
+    )
+    with TestClient(app) as c:
+        assert wait_until(lambda: c.get("/readyz").status_code == 200)
+        assert c.get("/readyz").json()["shadow_model_version"] == "baseline/threshold_0.90"
+        climb = [payload("gpu0", start + t, 0.5 if t < 100 else 0.92) for t in range(160)]
+        for i in range(0, 160, 20):
+            rclient.xadd(keys.samples_for("n1"), encode_samples("n1", climb[i : i + 20]))
+
+        def seen() -> int:
+            r = c.get("/v1/devices/n1/gpu0")
+            return int(r.json()["samples_seen"]) if r.status_code == 200 else 0
+
+        assert wait_until(lambda: seen() == 160)
+        event = {"ts": start + 160, "node": "n1", "device": "gpu0", "event": "oom"}
+        rclient.xadd(keys.events, {"event": json.dumps(event)})
+
+        def models() -> dict[str, dict[str, Any]]:
+            r = c.get("/v1/scorecard", params={"since": str(start - 10)})
+            assert r.status_code == 200, r.text
+            return {m["role"]: m for m in r.json()["models"]}
+
+        assert wait_until(lambda: all(m.get("ooms") == 1 for m in models().values())
+                          and len(models()) == 2)  # fmt: skip
+        found = models()
+        assert found[CHAMPION]["model_version"] == "baseline/threshold_0.95"
+        assert (found[CHAMPION]["warned_30s"], found[CHAMPION]["missed_30s"]) == (0, 1)
+        assert found[SHADOW]["model_version"] == "baseline/threshold_0.90"
+        assert (found[SHADOW]["warned_30s"], found[SHADOW]["missed_30s"]) == (1, 0)
+        assert rclient.xlen(keys.alerts) == 0  # the shadow's alert was scored, not raised
+        metrics = c.get("/metrics").text
+        assert 'oomcast_shadow_model_info{version="baseline/threshold_0.90"} 1.0' in metrics
+        assert 'role="shadow"' in metrics
+
+
+def test_a_shadow_model_that_cannot_be_loaded_stops_the_service(
+    redis_url: str, key_prefix: str, tmp_path: Path
+) -> None:
+    bad = tmp_path / "nope.onnx"
+    named = settings(redis_url, key_prefix, shadow_model_path=str(bad))
+    with pytest.raises(ModelLoadError, match=r"OOMCAST_SHADOW_MODEL_PATH=.*nope\.onnx"):
+        build_context(named)
+    no_scores = settings(redis_url, key_prefix, shadow_model_path="threshold_0.90", outcomes=False)
+    with pytest.raises(ValueError, match="OOMCAST_OUTCOMES=false"):
+        build_context(no_scores)

@@ -114,6 +114,8 @@ async def readyz(ctx: Ctx, response: Response) -> dict[str, object]:
         "ingest": verdict.get("ingest", False),
         "checks": verdict,
         "model_version": ctx.detector.forecaster.version,
+        # a challenger scored beside it, acting on nothing (OOMCAST_SHADOW_MODEL_PATH)
+        "shadow_model_version": next((s.forecaster.version for s in ctx.live.shadows), None),
         "forecaster": {
             "kind": ctx.forecaster_kind,
             "reason": ctx.forecaster_reason,

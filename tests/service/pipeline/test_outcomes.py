@@ -13,6 +13,7 @@ from oomcast.service.pipeline.outcomes import (
     CHAMPION,
     EXPOSURE_FLUSH_S,
     SETTLE_S,
+    SHADOW,
     Outcome,
     Scored,
 )
@@ -181,3 +182,77 @@ def test_an_outcome_read_back_is_checked_field_by_field(change: dict, message: s
     assert Outcome.from_dict(good.to_dict()) == good
     with pytest.raises(ValueError, match=message):
         Outcome.from_dict(good.to_dict() | change)
+
+
+def with_shadow(shadow: object, champion: float = 0.95) -> LiveState:
+    """A champion alerting at ``champion`` of capacity, and a shadow model scored beside it
+    by a rule of its own."""
+    return LiveState(
+        ThresholdBaseline(champion),
+        [],
+        horizon_s=60,
+        scored=[
+            Scored(CHAMPION, policy_rule(POLICY, name="scored")),
+            Scored(SHADOW, policy_rule(POLICY, name="scored-shadow"), shadow),
+        ],
+    )
+
+
+def test_a_shadow_is_scored_on_the_same_oom_by_its_own_forecasts() -> None:
+    """The champion (95%) never alerts on a climb that stops at 92%; the shadow (90%) does:
+    one OOM, two outcomes, each of its own model; the shadow acts on nothing."""
+    st = with_shadow(ThresholdBaseline(0.9))
+    feed(st, [(0, 0.5), (60, 0.8), (100, 0.92), (160, 0.0)])
+    assert st.firing([("n1", "gpu0")], now=T0 + 160) == []  # no configured rule fires
+    st.on_event(Event(T0 + 160.0, "n1", "gpu0", "oom"), now=T0 + 160)
+    by_role = {o.role: o for o in decided(st)}
+    assert by_role[CHAMPION].warned == "no"
+    assert by_role[CHAMPION].model_version == ThresholdBaseline(0.95).version
+    assert (by_role[SHADOW].warned, by_role[SHADOW].lead_s) == ("30s", pytest.approx(60.0))
+    assert by_role[SHADOW].model_version == ThresholdBaseline(0.9).version
+    assert by_role[SHADOW].id != by_role[CHAMPION].id
+
+
+def test_a_shadows_forecaster_state_travels_in_the_snapshot() -> None:
+    """The shadow's LSTM state is carried to the replica that takes the domain over: its
+    next forecasts are those of the replica that never stopped. One restored from a blob
+    without it starts cold, and forecasts otherwise (so the check can fail)."""
+    from oomcast.model.runtime import DEFAULT_MODEL, OnnxForecaster
+
+    model = OnnxForecaster(str(DEFAULT_MODEL))
+    first = with_shadow(model)
+    ramp = [(t, 0.5 + 0.003 * max(0, t - 60)) for t in range(0, 150)]  # a leak from 60 s
+    feed(first, [*ramp, (150, 0.0)])
+    blob = first.snapshot(("n1", "gpu0"))
+    cold_blob = with_shadow(ThresholdBaseline(0.9))
+    cold_blob.restore(blob, now=T0 + 150)  # its shadow is another model: no state kept
+    cold = with_shadow(model)
+    cold.restore(cold_blob.snapshot(("n1", "gpu0")), now=T0 + 150)
+    second = with_shadow(model)
+    second.restore(blob, now=T0 + 150)
+
+    def shadow_risks(st: LiveState) -> list[float]:
+        dom = st.domains[("n1", "gpu0")]
+        out = []
+        for t in (150, 151, 152):
+            level = 0.5 + 0.003 * (t - 60)
+            [found] = st._step_shadows([dom], [sample(T0 + t, level)], [None])
+            out += [found[SHADOW].risk_at(h) for h in model.horizons_s]
+        return out
+
+    ahead = shadow_risks(first)
+    assert max(ahead) > 0.01  # the gate is open: the risks say something
+    assert shadow_risks(second) == pytest.approx(ahead, abs=1e-6)
+    assert shadow_risks(cold) != pytest.approx(ahead, abs=1e-6)
+
+
+def test_an_alert_settled_by_an_oom_long_after_it_ended_says_so() -> None:
+    """An alert that ended, then silence, then an OOM 400 s later: the alert is settled as
+    it stood (a near miss here) and marked as ended by the OOM, whose samples its window
+    would run into (service/kept.py keeps the OOM's trace, not the alert's)."""
+    st = live()
+    feed(st, [(0, 0.5), (100, 0.95), (110, 0.6), (120, 0.0)])
+    st.on_event(Event(T0 + 520.0, "n1", "gpu0", "oom"), now=T0 + 520)
+    settled, oom = decided(st)
+    assert (settled.outcome, settled.ended_by) == ("near_miss", "oom")
+    assert (oom.outcome, oom.warned) == ("oom", "no")

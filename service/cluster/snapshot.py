@@ -61,7 +61,7 @@ from oomcast.model.signing import SIG_PREFIX, service_keys, sign, verify
 from oomcast.model.text import compact_json
 from oomcast.service.cluster.leases import lease_key
 from oomcast.service.pipeline.history import History
-from oomcast.service.pipeline.outcomes import Watch
+from oomcast.service.pipeline.outcomes import CHAMPION, Watch
 from oomcast.service.pipeline.rules import Episode
 from oomcast.service.pipeline.state import DomainState, LiveState
 
@@ -189,11 +189,16 @@ def encode(
         "phases": None if st.phases is None else st.phases.to_dict(),  # the job's schedule
         # what each scored model's alert and the job came to so far (pipeline/outcomes.py)
         "watches": {role: w.to_dict() for role, w in st.watches.items()},
-        # each shadow model's own forecaster state, with the model that made it
+        # each shadow model's own forecaster state (null after a restart), with the model
+        # whose watch and state these are
         "shadows": {
-            role: {"model": model.version, "state": export_state(model, st.shadow_states[role])}
+            role: {
+                "model": model.version,
+                "state": export_state(model, st.shadow_states[role])
+                if role in st.shadow_states
+                else None,
+            }
             for role, model in (shadows or {}).items()
-            if role in st.shadow_states
         },
         "scalars": {name: getattr(st, name) for name in SCALAR_FIELDS},
     }
@@ -318,10 +323,10 @@ def decode(
         log.warning("ignoring a snapshot (%s); its domain starts cold", exc)
         return None
     try:
-        st = _restore(body, domain, forecaster, set(rule_names), history_len, shadows or {})
-        if now is not None:
-            _check_times(st, now + max_future_s)
-        return st
+        latest = None if now is None else now + max_future_s
+        return _restore(
+            body, domain, forecaster, set(rule_names), history_len, shadows or {}, latest
+        )
     except Exception as exc:  # whatever a damaged blob trips over: a cold start, not a crash
         why = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         log.warning("ignoring the snapshot of %s/%s (%s); the domain starts cold", *domain, why)
@@ -335,6 +340,7 @@ def _restore(
     rules: set[str],
     history_len: int,
     shadows: Mapping[str, Forecaster],
+    latest: float | None = None,
 ) -> DomainState:
     last = body["last"]
     episodes = body["episodes"]
@@ -372,9 +378,46 @@ def _restore(
             forecaster.version,
             EMBEDDING_VERSION,
         )
+    kept = _shadow_watches_and_states(body, domain, st, shadows)
+    if latest is not None:
+        _check_times(st, latest)
+    # Last: the ONNX forecasters take slots here, once nothing else can fail. A shadow's
+    # state that does not import starts cold: a shadow never costs the champion its state.
+    for role, data in kept.items():
+        try:
+            st.shadow_states[role] = import_state(shadows[role], data)
+        except Exception as exc:
+            log.warning(
+                "the snapshot of %s/%s: shadow %s's state does not import (%s); it starts cold",
+                *domain,
+                role,
+                exc,
+            )
+    try:
+        st.forecaster_state = import_state(forecaster, body["forecaster"] if same_model else None)
+    except Exception:
+        for role, slot in st.shadow_states.items():
+            release_state(shadows[role], slot)
+        raise
+    return st
+
+
+def _shadow_watches_and_states(
+    body: Mapping[str, Any], domain: Domain, st: DomainState, shadows: Mapping[str, Forecaster]
+) -> dict[str, Mapping[str, Any]]:
+    """Drop from ``st`` the watches of shadows this replica does not run as the blob's
+    model; the saved states of those it does, to import (a malformed entry: cold)."""
     saved = body.get("shadows") or {}  # absent from blobs older than shadow models
     if not isinstance(saved, dict):
-        raise SnapshotError("snapshot shadows must be an object")
+        log.warning("the snapshot of %s/%s has malformed shadows: they start cold", *domain)
+        saved = {}
+    # A shadow's watch holds its model's alert so far: kept only where this replica runs
+    # the same shadow model, so one model's alert is never credited to another.
+    for role in [r for r in st.watches if r != CHAMPION]:
+        entry = saved.get(role)
+        model = shadows.get(role)
+        if model is None or not isinstance(entry, dict) or entry.get("model") != model.version:
+            del st.watches[role]
     kept: dict[str, Mapping[str, Any]] = {}
     for role, model in shadows.items():
         entry = saved.get(role)
@@ -385,19 +428,7 @@ def _restore(
             and isinstance(entry.get("state"), dict)
         ):
             kept[role] = entry["state"]  # else: that shadow starts cold on this domain
-    # Last: the ONNX forecasters take slots here, once nothing else can fail; a state that
-    # does not import gives back the slots taken before it.
-    taken: list[tuple[Forecaster, Any]] = []
-    try:
-        for role, data in kept.items():
-            taken.append((shadows[role], import_state(shadows[role], data)))
-            st.shadow_states[role] = taken[-1][1]
-        st.forecaster_state = import_state(forecaster, body["forecaster"] if same_model else None)
-    except Exception:
-        for model, slot in taken:
-            release_state(model, slot)
-        raise
-    return st
+    return kept
 
 
 TIMES = ("last_oom_ts", "last_seen_wall", "attested_at", "unattested_at", "behind_ts")

@@ -397,7 +397,9 @@ async def readyz(pool: WorkerPool, request: Request) -> Response:
         "ingest": all(b.get("ingest") for b in bodies) and not problems,
         "checks": checks,
         "model_version": first.get("model_version"),
-        "shadow_model_version": first.get("shadow_model_version"),
+        "shadow_model_version": next(
+            (b["shadow_model_version"] for b in bodies if "model_version" in b), None
+        ),
         "forecaster": first.get("forecaster"),
         "partitions": sorted({p for b in bodies for p in b.get("partitions") or []}),
         "problem": problems[0] if problems else None,

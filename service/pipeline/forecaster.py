@@ -84,7 +84,8 @@ def choose_shadow(settings: Settings) -> Detector | None:
     if not name:
         return None
     baselines = [d.name for d in baseline_detectors()]
-    if name in baselines:
+    versions = [str(d.forecaster.version) for d in baseline_detectors()]
+    if name in baselines or name in versions:  # threshold_0.90, or baseline/threshold_0.90
         det = baseline_by_name(name)
         log.info("shadow: the baseline %s, scored beside the champion", det.forecaster.version)
         return det

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -51,6 +52,8 @@ from oomcast.service.pipeline.rules import (
     fires_any,
     still_firing,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -281,6 +284,7 @@ class LiveState:
         # ingest loop last took them (``take_outcomes``).
         self.scored = list(scored)
         self.shadows = [s for s in self.scored if s.forecaster is not None]
+        self.shadow_failures = 0  # rounds a shadow model failed on (it raised)
         self.outcomes: list[Outcome] = []
 
     def take_outcomes(self) -> list[Outcome]:
@@ -312,10 +316,13 @@ class LiveState:
         self, st: DomainState, sample: Sample, fc: Forecast, shadow: dict[str, Forecast]
     ) -> None:
         for s in self.scored:
+            own = fc if s.forecaster is None else shadow.get(s.role)
+            if own is None:  # the shadow failed this round: it sees nothing of it
+                continue
             w = st.watches.get(s.role)
             if w is None:
                 w = st.watches[s.role] = Watch()
-            found = observe(w, s, sample, shadow.get(s.role, fc), st.job, _cause, st)
+            found = observe(w, s, sample, own, st.job, _cause, st)
             if found:
                 self.outcomes.extend(found)
 
@@ -329,14 +336,30 @@ class LiveState:
         champion_v = embedding_version(self.forecaster)
         for s in self.shadows:
             fc_model = s.forecaster
-            slots = []
-            for st in states:
-                slot = st.shadow_states.get(s.role)
-                if slot is None:
-                    slot = st.shadow_states[s.role] = fc_model.init_state()
-                slots.append(slot)
-            same = embedding_version(fc_model) == champion_v
-            forecasts, _, _ = step_arrays(fc_model, slots, samples, embs if same else None)
+            try:
+                slots = []
+                for st in states:
+                    slot = st.shadow_states.get(s.role)
+                    if slot is None:
+                        slot = st.shadow_states[s.role] = fc_model.init_state()
+                    slots.append(slot)
+                same = embedding_version(fc_model) == champion_v
+                forecasts, _, _ = step_arrays(fc_model, slots, samples, embs if same else None)
+            except Exception:  # the shadow must never stop the champion: it goes cold here
+                self.shadow_failures += 1
+                if self.shadow_failures in (1, 10, 100) or self.shadow_failures % 1000 == 0:
+                    log.exception(
+                        "shadow model %s failed on a round (%d failures so far); its states"
+                        " of the round's domains start afresh",
+                        fc_model.version,
+                        self.shadow_failures,
+                    )
+                for st in states:
+                    slot = st.shadow_states.pop(s.role, None)
+                    if slot is not None:
+                        with contextlib.suppress(Exception):
+                            release_state(fc_model, slot)
+                continue
             for found, fc in zip(out, forecasts, strict=True):
                 found[s.role] = fc
         return out

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -36,6 +36,8 @@ from support import GIB, free_port, sample, start_serve, wait_until
 from oomcast.model.processes import ProcessUse
 from oomcast.model.runtime import DEFAULT_MODEL
 from oomcast.model.wire import Keys, encode_samples, sample_payload
+from oomcast.service.pipeline.outcomes import CHAMPION, SHADOW, Outcome
+from oomcast.service.scorecard import OutcomeStore
 
 pytest.importorskip(
     "playwright", reason="playwright is not installed (pip install playwright pytest-playwright)"
@@ -452,6 +454,70 @@ def test_the_alert_log_shows_a_cause_its_evidence_and_remedies(
         ["set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"]
     )
     expect(line).to_contain_text("webhook owed")
+
+
+# --- the scorecard --------------------------------------------------------------------
+
+
+def scored(role: str, version: str, i: int, kind: str, **kw: Any) -> Outcome:
+    fields: dict[str, Any] = dict(
+        id=f"{role}-{i}", outcome=kind, ts=time.time() - 3600 + i, node="dash-s",
+        device=f"gpu{i}", kind="gpu", job=f"job-{i % 2}", role=role, model_version=version,
+    )  # fmt: skip
+    return Outcome(**(fields | kw))
+
+
+def test_the_scorecard_page_plots_each_scored_model(
+    server: Server, authed: Page, artifacts: Path
+) -> None:
+    """A week by hand, for the champion and a shadow: the page shows each model's figures,
+    its OOMs by class and how early they were warned, and what its alerts came to."""
+    leak: dict[str, Any] = {"warned": "30s", "oom_class": "long", "cause": "leak"}
+    champion = [
+        scored(CHAMPION, "lstm-a", 1, "oom", lead_s=45.0, **leak),
+        scored(CHAMPION, "lstm-a", 2, "oom", lead_s=90.0, **leak),
+        scored(CHAMPION, "lstm-a", 3, "oom", warned="10s", oom_class="long", lead_s=12.0),
+        scored(CHAMPION, "lstm-a", 4, "oom", warned="no", oom_class="sudden"),
+        scored(CHAMPION, "lstm-a", 5, "false_alarm", cause="leak"),
+        scored(CHAMPION, "lstm-a", 6, "near_miss", max_level=0.95),
+        scored(CHAMPION, "lstm-a", 7, "censored"),
+        scored(CHAMPION, "lstm-a", 8, "exposure", seconds=7200.0),
+    ]  # fmt: skip
+    shadow = [
+        scored(SHADOW, "lstm-b", i, "oom", warned="30s", oom_class="long", lead_s=60.0)
+        for i in range(1, 5)
+    ] + [scored(SHADOW, "lstm-b", 8, "exposure", seconds=7200.0)]
+    store = OutcomeStore(cast(Any, None), server.keys.prefix)  # stage only: no client needed
+    pipe = server.client.pipeline(transaction=False)
+    store.stage(pipe, champion + shadow)
+    pipe.execute()
+    page = authed
+    page.goto(f"{server.base}/#/scorecard")
+    cards = page.locator(".model-card")
+    expect(cards).to_have_count(2, timeout=SEEN_S * 1000)
+    first = page.locator('.model-card[data-role="champion"]')
+    expect(first.locator("h2")).to_contain_text("lstm-a")
+    expect(first.locator(".fact", has_text="recall at 30 s")).to_contain_text("50%")
+    expect(first.locator(".fact", has_text="precision")).to_contain_text("75%")
+    expect(first.locator(".fact", has_text="false alarms per 1,000 job-hours")).to_contain_text(
+        "500"
+    )
+    # long: 2 warned >= 30 s, 1 at 10-30 s; sudden: 1 missed; alerts: 3 hits, 1 false alarm,
+    # 1 near miss, 1 censored
+    bars = first.locator("svg.bars")
+    expect(bars.nth(0).locator(".part")).to_have_count(3)
+    expect(bars.nth(0).locator(".part.missed title")).to_have_text(
+        ["warned under 10 s ahead, or not at all: 1"]
+    )
+    expect(bars.nth(1).locator(".part")).to_have_count(4)
+    expect(bars.nth(1).locator(".part.hit title")).to_have_text(["an OOM followed: 3"])
+    other = page.locator('.model-card[data-role="shadow"]')
+    expect(other.locator(".fact", has_text="recall at 30 s")).to_contain_text("100%")
+    # unsealed (this service has no secret): the page says so
+    expect(page.locator("#score-notes")).to_contain_text("not sealed")
+    page.select_option("select[name=by]", "cause")
+    expect(first.locator(".by-row")).to_have_count(2)  # leak, and "-" for no cause
+    page.screenshot(path=str(artifacts / "dashboard-scorecard.png"), full_page=True)
 
 
 # --- 5,000 domains --------------------------------------------------------------------

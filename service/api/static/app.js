@@ -2,14 +2,16 @@
 //   #/ (or #/fleet?node=..&job=..)  every live domain, riskiest first, virtualised
 //   #/domain/<node>/<device>        one domain: memory, forecast, alerts, cause
 //   #/alerts                        the alert log
+//   #/scorecard                     how each scored model did on the fleet's own jobs
 // Plain ES module, no build step, no library; charts are in charts.js.
 
-import { sparkline, timeChart } from "./charts.js";
+import { sparkline, stackedBars, svgEl, timeChart } from "./charts.js";
 
 const TOKEN_KEY = "oomcast.api_token";
 const FLEET_POLL_MS = 1500;
 const DOMAIN_POLL_MS = 2000;
 const ALERTS_POLL_MS = 3000;
+const SCORE_POLL_MS = 30000; // outcomes come a few an hour: no need to ask more often
 const ROW_H = 36; // px; must match .rows .row height in style.css
 const PAGE = 200; // domains per /v1/devices request
 const OVERSCAN = 8; // rows drawn above and below the visible ones
@@ -621,6 +623,96 @@ function mountAlerts(root) {
   return { stop: () => poll.stop() };
 }
 
+// --- the scorecard ----------------------------------------------------------------------
+
+const share = (r) => (r === null || r === undefined ? "—" : pct(r));
+
+function oomBars(m) {
+  const svg = svgEl("svg", { class: "bars", role: "img", "aria-label": `OOMs by class, ${m.role}` });
+  const rows = ["long", "short", "sudden"].map((cls) => {
+    const c = m.by_class[cls];
+    return {
+      label: `${cls} (${c.n})`,
+      parts: [
+        { cls: "w30", n: c.warned_30s, title: "warned at least 30 s ahead" },
+        { cls: "w10", n: c.warned_10s - c.warned_30s, title: "warned 10-30 s ahead" },
+        { cls: "missed", n: c.n - c.warned_10s, title: "warned under 10 s ahead, or not at all" },
+      ],
+    };
+  });
+  stackedBars(svg, rows);
+  return svg;
+}
+
+function alertBars(m) {
+  const svg = svgEl("svg", { class: "bars", role: "img", "aria-label": `alerts by outcome, ${m.role}` });
+  const hits = m.alerts - m.false_alarms - m.near_misses_alerted - m.censored;
+  stackedBars(svg, [{
+    label: `alerts (${m.alerts})`,
+    parts: [
+      { cls: "hit", n: hits, title: "an OOM followed" },
+      { cls: "false", n: m.false_alarms, title: "false alarm" },
+      { cls: "near", n: m.near_misses_alerted, title: "near miss (came within 10%)" },
+      { cls: "censored", n: m.censored, title: "censored (the job ended)" },
+    ],
+  }]);
+  return svg;
+}
+
+function byTable(by, what) {
+  const head = h("tr", {}, [what, "OOMs", "warned ≥30 s", "recall 30 s", "false alarms", "per 1,000 job-h", "median lead"].map((t) => h("th", {}, t)));
+  const rows = Object.entries(by).map(([k, f]) => h("tr", { class: "by-row" },
+    h("td", {}, k), h("td", {}, f.ooms), h("td", {}, f.warned_30s), h("td", {}, share(f.recall_30s)),
+    h("td", {}, f.false_alarms), h("td", {}, f.false_alarms_per_1000_job_hours ?? "—"), h("td", {}, duration(f.median_lead_s))));
+  return h("table", { class: "by-table" }, h("thead", {}, head), h("tbody", {}, rows));
+}
+
+function modelCard(m, by) {
+  const facts = h("div", { class: "facts" },
+    fact("OOMs", m.ooms),
+    fact("recall at 30 s", share(m.recall_30s), m.ooms && m.recall_30s < 0.9 ? "hot" : ""),
+    fact("recall at 10 s", share(m.recall_10s)),
+    fact("precision", share(m.precision)),
+    fact("false alarms per 1,000 job-hours", m.false_alarms_per_1000_job_hours ?? "—"),
+    fact("median lead", duration(m.median_lead_s)),
+    fact("time-to-OOM error", m.median_tto_error === null ? "—" : pct(m.median_tto_error)),
+    fact("job-hours watched", m.job_hours));
+  return h("div", { class: `model-card ${m.role}`, "data-role": m.role },
+    h("h2", {}, m.role, " ", h("small", {}, m.model_version)),
+    facts,
+    h("h3", {}, "OOMs by class, and how early they were warned"),
+    oomBars(m),
+    h("p", { class: "legend" }, legend("w30", "≥ 30 s ahead"), legend("w10", "10–30 s"), legend("missed", "later or never")),
+    h("h3", {}, "What each alert came to"),
+    alertBars(m),
+    h("p", { class: "legend" }, legend("hit", "OOM followed"), legend("false", "false alarm"), legend("near", "near miss"), legend("censored", "censored")),
+    m.by ? [h("h3", {}, `Per ${by}`), byTable(m.by, by)] : null);
+}
+
+function mountScorecard(root) {
+  root.replaceChildren(document.getElementById("tpl-scorecard").content.cloneNode(true));
+  const form = root.querySelector("#score-filter");
+  const summary = root.querySelector("#score-summary");
+  const notes = root.querySelector("#score-notes");
+  const box = root.querySelector("#score-models");
+  async function load() {
+    const by = form.by.value;
+    const card = await api(`v1/scorecard?${q({ since: form.since.value, by })}`);
+    const left = card.left_out || {};
+    summary.textContent = `${card.outcomes} outcomes from ${stamp(card.since)} to now, per scored model (the champion acts; a shadow is only scored)`;
+    put(notes,
+      card.note ? h("p", { class: "score-note" }, card.note) : null,
+      left.forged ? h("p", { class: "score-note" }, `${left.forged} entries left out: their seal did not verify`) : null,
+      card.truncated ? h("p", { class: "score-note" }, "read cut short at 200,000 entries: narrow the window") : null,
+      card.covers_from && card.covers_from > card.since ? h("p", { class: "note" }, `outcomes are kept from ${stamp(card.covers_from)} only`) : null);
+    put(box, card.models.length ? card.models.map((m) => modelCard(m, by)) : h("p", { class: "empty" }, "No outcome in this window yet."));
+  }
+  form.addEventListener("submit", (ev) => ev.preventDefault());
+  form.addEventListener("change", () => poll.now());
+  const poll = poller(load, SCORE_POLL_MS);
+  return { stop: () => poll.stop() };
+}
+
 // --- routing --------------------------------------------------------------------------
 
 let current = null;
@@ -639,6 +731,9 @@ function route() {
   } else if (parts[0] === "alerts") {
     view = "alerts";
     current = mountAlerts(root);
+  } else if (parts[0] === "scorecard") {
+    view = "scorecard";
+    current = mountScorecard(root);
   } else {
     current = mountFleet(root, new URLSearchParams(query));
   }

@@ -139,3 +139,37 @@ export function timeChart(svg, spec) {
   }
   return drawn;
 }
+
+// Horizontal stacked bars, one per row: rows = [{label, parts: [{cls, n, title}]}]; each
+// bar's width is its parts' sum against the largest sum, each part labelled with its count.
+// Returns the number of parts drawn.
+export function stackedBars(svg, rows, { width = 560, rowH = 26, labelW = 120 } = {}) {
+  while (svg.firstChild) svg.removeChild(svg.firstChild);
+  const height = rows.length * rowH + 6;
+  svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
+  svg.setAttribute("height", String(height));
+  const most = Math.max(1, ...rows.map((r) => r.parts.reduce((a, p) => a + p.n, 0)));
+  const span = width - labelW - 40;
+  let drawn = 0;
+  rows.forEach((r, i) => {
+    const y = i * rowH + 4;
+    svgEl("text", { class: "tick", x: 0, y: y + rowH / 2 + 2 }, svg).textContent = r.label;
+    let x = labelW;
+    let total = 0;
+    for (const p of r.parts) {
+      total += p.n;
+      if (p.n <= 0) continue;
+      const w = (p.n / most) * span;
+      const g = svgEl("g", { class: `part ${p.cls}` }, svg);
+      svgEl("rect", { x: x.toFixed(1), y, width: Math.max(1, w).toFixed(1), height: rowH - 8 }, g);
+      svgEl("title", {}, g).textContent = `${p.title}: ${p.n}`;
+      if (w >= 18) {
+        svgEl("text", { class: "count", x: (x + w / 2).toFixed(1), y: y + rowH / 2 + 1 }, g).textContent = String(p.n);
+      }
+      x += w;
+      drawn += 1;
+    }
+    svgEl("text", { class: "tick", x: (x + 6).toFixed(1), y: y + rowH / 2 + 2 }, svg).textContent = total ? String(total) : "none";
+  });
+  return drawn;
+}

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 from support import sample
 
 from oomcast.model.baselines import ThresholdBaseline
 from oomcast.model.schema import Event
+from oomcast.service.cluster.snapshot import MAGIC
 from oomcast.service.pipeline.outcomes import (
     CHAMPION,
     EXPOSURE_FLUSH_S,
@@ -17,7 +19,7 @@ from oomcast.service.pipeline.outcomes import (
     Outcome,
     Scored,
 )
-from oomcast.service.pipeline.rules import AlertPolicy, policy_rule
+from oomcast.service.pipeline.rules import AlertPolicy, Rule, policy_rule
 from oomcast.service.pipeline.state import LiveState
 
 POLICY = AlertPolicy(60, 0.5, resolve_risk=0.2, fire_after=1, resolve_after=1)
@@ -184,12 +186,14 @@ def test_an_outcome_read_back_is_checked_field_by_field(change: dict, message: s
         Outcome.from_dict(good.to_dict() | change)
 
 
-def with_shadow(shadow: object, champion: float = 0.95) -> LiveState:
+def with_shadow(
+    shadow: object, champion: float = 0.95, rules: list[Rule] | None = None
+) -> LiveState:
     """A champion alerting at ``champion`` of capacity, and a shadow model scored beside it
     by a rule of its own."""
     return LiveState(
         ThresholdBaseline(champion),
-        [],
+        rules or [],
         horizon_s=60,
         scored=[
             Scored(CHAMPION, policy_rule(POLICY, name="scored")),
@@ -201,9 +205,12 @@ def with_shadow(shadow: object, champion: float = 0.95) -> LiveState:
 def test_a_shadow_is_scored_on_the_same_oom_by_its_own_forecasts() -> None:
     """The champion (95%) never alerts on a climb that stops at 92%; the shadow (90%) does:
     one OOM, two outcomes, each of its own model; the shadow acts on nothing."""
-    st = with_shadow(ThresholdBaseline(0.9))
-    feed(st, [(0, 0.5), (60, 0.8), (100, 0.92), (160, 0.0)])
-    assert st.firing([("n1", "gpu0")], now=T0 + 160) == []  # no configured rule fires
+    st = with_shadow(ThresholdBaseline(0.9), rules=[policy_rule(POLICY)])
+    alerts = []
+    for t in range(160):
+        level = 0.5 if t < 60 else 0.8 if t < 100 else 0.92
+        alerts += st.apply([sample(T0 + t, level)], now=T0 + t).alerts
+    assert alerts == []  # the rule runs on the champion's forecasts only: it never fired
     st.on_event(Event(T0 + 160.0, "n1", "gpu0", "oom"), now=T0 + 160)
     by_role = {o.role: o for o in decided(st)}
     assert by_role[CHAMPION].warned == "no"
@@ -256,3 +263,73 @@ def test_an_alert_settled_by_an_oom_long_after_it_ended_says_so() -> None:
     settled, oom = decided(st)
     assert (settled.outcome, settled.ended_by) == ("near_miss", "oom")
     assert (oom.outcome, oom.warned) == ("oom", "no")
+
+
+class Failing(ThresholdBaseline):
+    """A shadow whose runtime fails on every step."""
+
+    def step(self, *a: object, **kw: object) -> list:  # type: ignore[override]
+        raise RuntimeError("the shadow's runtime failed")
+
+    def step_arrays(self, *a: object, **kw: object) -> tuple:  # type: ignore[override]
+        raise RuntimeError("the shadow's runtime failed")
+
+
+def test_a_failing_shadow_never_stops_the_champion() -> None:
+    st = with_shadow(Failing(0.9), champion=0.9)
+    feed(st, [(0, 0.5), (60, 0.8), (100, 0.95), (160, 0.0)])
+    st.on_event(Event(T0 + 160.0, "n1", "gpu0", "oom"), now=T0 + 160)
+    found = decided(st)
+    assert [(o.role, o.warned) for o in found] == [(CHAMPION, "30s")]  # no shadow outcome
+    assert st.shadow_failures == 160
+    assert st.domains[("n1", "gpu0")].forecast is not None
+
+
+def test_a_shadows_watch_is_dropped_where_another_shadow_model_runs() -> None:
+    """Replica A's shadow (90%) is alerting when replica B, whose shadow is another model
+    (80%), takes the domain over: that alert is not B's shadow's to claim. A replica with
+    the same shadow carries it on; a blob from before shadows, or with garbage in their
+    place, restores the champion all the same."""
+    first = with_shadow(ThresholdBaseline(0.9))
+    feed(first, [(0, 0.5), (100, 0.92), (130, 0.0)])
+    blob = first.snapshot(("n1", "gpu0"))
+    same, other = with_shadow(ThresholdBaseline(0.9)), with_shadow(ThresholdBaseline(0.8))
+    for st in (same, other):
+        st.restore(blob, now=T0 + 130)
+        st.on_event(Event(T0 + 140.0, "n1", "gpu0", "oom"), now=T0 + 140)
+    assert {o.role: o.warned for o in decided(same)} == {CHAMPION: "no", SHADOW: "30s"}
+    # other's shadow had no watch: nothing to claim (no outcome, as for a job it never saw)
+    assert {o.role: o.warned for o in decided(other)} == {CHAMPION: "no"}
+    body = json.loads(blob[len(MAGIC) :])
+    for shadows in (None, "garbage", {SHADOW: {"model": 7, "state": "x"}}):
+        changed = dict(body, shadows=shadows) if shadows is not None else dict(body)
+        if shadows is None:
+            del changed["shadows"]
+        third = with_shadow(ThresholdBaseline(0.9))
+        st = third.restore(MAGIC + json.dumps(changed).encode(), now=T0 + 130)
+        assert st is not None and CHAMPION in st.watches and SHADOW not in st.watches
+
+
+def test_a_snapshot_from_the_future_gives_back_every_slot() -> None:
+    from oomcast.model.runtime import DEFAULT_MODEL, OnnxForecaster
+
+    champion, shadow = OnnxForecaster(str(DEFAULT_MODEL)), OnnxForecaster(str(DEFAULT_MODEL))
+
+    def live_onnx() -> LiveState:
+        return LiveState(
+            champion,
+            [],
+            horizon_s=60,
+            scored=[
+                Scored(CHAMPION, policy_rule(POLICY, name="scored")),
+                Scored(SHADOW, policy_rule(POLICY, name="scored-shadow"), shadow),
+            ],
+        )
+
+    first = live_onnx()
+    feed(first, [(0, 0.5), (10, 0.0)])
+    blob = first.snapshot(("n1", "gpu0"))
+    free = (len(champion._free), len(shadow._free))
+    second = live_onnx()
+    assert second.restore(blob, now=T0 - 3600) is None  # its samples lie an hour ahead
+    assert (len(champion._free), len(shadow._free)) == free

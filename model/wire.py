@@ -163,7 +163,8 @@ def encode_samples(
     return fields
 
 
-def _raw(fields: Mapping[Any, Any], key: str) -> bytes | None:
+def field_bytes(fields: Mapping[Any, Any], key: str) -> bytes | None:
+    """A stream entry's or hash's field as bytes (redis-py answers str or bytes), or None."""
     value = fields.get(key, fields.get(key.encode()))
     if isinstance(value, str):
         return value.encode("utf-8", "surrogateescape")
@@ -176,7 +177,11 @@ def entry_attested(fields: Mapping[Any, Any], key_for_node: Callable[[str], str 
     """Whether a sample entry carries a valid ``sig`` under the key ``key_for_node`` gives for
     the entry's own ``node`` field. False for a missing or bad signature, a missing node or
     samples field, or a node without a key (None or empty)."""
-    node, samples, sig = _raw(fields, "node"), _raw(fields, "samples"), _raw(fields, "sig")
+    node, samples, sig = (
+        field_bytes(fields, "node"),
+        field_bytes(fields, "samples"),
+        field_bytes(fields, "sig"),
+    )
     if node is None or samples is None or sig is None:
         return False
     if not node or len(node) > MAX_ATTESTED_NODE_BYTES:
@@ -210,7 +215,7 @@ def event_attested(
     """Whether an event entry carries a valid ``sig`` under the key of ``node``: the node the
     entry's own (decoded) ``event`` field names. False for a missing or bad signature and
     for a node without a key."""
-    raw, sig = _raw(fields, "event"), _raw(fields, "sig")
+    raw, sig = field_bytes(fields, "event"), field_bytes(fields, "sig")
     if raw is None or sig is None or not node:
         return False
     key = key_for_node(node)

@@ -39,7 +39,6 @@ import contextlib
 import gzip
 import hashlib
 import io
-import json
 import logging
 import math
 import time
@@ -52,8 +51,9 @@ import redis.asyncio as aioredis
 
 from oomcast.model.schema import Event, Sample, SchemaError
 from oomcast.model.signing import service_keys, sign, verify
-from oomcast.model.text import as_str
-from oomcast.model.wire import Keys, answer_async, decode_samples, entry_attested
+from oomcast.model.text import as_str, compact_json
+from oomcast.model.wire import Keys, answer_async, decode_samples, field_bytes
+from oomcast.service.pipeline.decode import entry_signer
 from oomcast.service.pipeline.outcomes import Outcome, outcome_id
 
 log = logging.getLogger(__name__)
@@ -147,19 +147,16 @@ class KeptTrace:
     at: float  # when it was kept (wall time)
 
 
-def _field(fields: Mapping[Any, Any], key: str) -> bytes | None:
-    v = fields.get(key.encode(), fields.get(key))
-    if v is None:
-        return None
-    return v if isinstance(v, bytes) else str(v).encode("utf-8", "surrogateescape")
-
-
 def read_kept(
     tid: str, at: float, fields: Mapping[Any, Any], seal_keys: Sequence[str]
 ) -> KeptTrace | str:
     """One kept trace from its hash's fields, or why not: ``missing`` (expired, or never
     written), ``forged`` (with ``seal_keys``: the seal fails), ``malformed``."""
-    meta, body, sig = _field(fields, "meta"), _field(fields, "body"), _field(fields, "sig")
+    meta, body, sig = (
+        field_bytes(fields, "meta"),
+        field_bytes(fields, "body"),
+        field_bytes(fields, "sig"),
+    )
     if meta is None or body is None:
         return "missing"
     if seal_keys and not any(verify(_sealed_bytes(tid, meta, body), sig, k) for k in seal_keys):
@@ -366,7 +363,7 @@ class TraceKeeper:
         found: list[Sample] = []
         unsigned = 0
         for _, fields in entries:
-            if not fields or _field(fields, "node") != node:
+            if not fields or field_bytes(fields, "node") != node:
                 continue
             try:
                 decoded = decode_samples(fields)
@@ -384,18 +381,11 @@ class TraceKeeper:
             ]
             if not mine:
                 continue
-            if self.key_for_node is not None and not _signed(fields, self.key_for_node):
+            if self.key_for_node is not None and entry_signer(fields, self.key_for_node) is None:
                 unsigned += len(mine)
                 continue
             found.extend(mine)
         return found, unsigned
-
-
-def _signed(fields: Mapping[Any, Any], key_for_node: Callable[[str], str | None]) -> bool:
-    try:
-        return entry_attested(fields, key_for_node)
-    except Exception:  # a malformed signature is an unsigned entry
-        return False
 
 
 def _bounded_gzip(records: list[Sample | Event]) -> tuple[bytes, float, int]:
@@ -412,6 +402,6 @@ def _gzip_trace(records: Sequence[Sample | Event]) -> bytes:
     buf = io.BytesIO()
     with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz:
         for r in records:
-            gz.write(json.dumps(r.to_dict(), separators=(",", ":")).encode())
+            gz.write(compact_json(r.to_dict()).encode())
             gz.write(b"\n")
     return buf.getvalue()

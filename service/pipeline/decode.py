@@ -166,7 +166,7 @@ def decode_sample_entries(
             continue
         eid = as_str(entry_id)
         ms = arrival_ms(eid, now)
-        signed_by = _signer(fields, key_for_node)
+        signed_by = entry_signer(fields, key_for_node)
         for item in decoded:
             if not isinstance(item, DecodedSample):
                 out.deadletters.append(deadletter(stream, entry_id, fields, str(item), "schema"))
@@ -210,7 +210,7 @@ def _partition(keys: Keys, node: str) -> int:
     return p
 
 
-def _signer(fields: Fields, key_for_node: KeyForNode | None) -> str | None:
+def entry_signer(fields: Fields, key_for_node: KeyForNode | None) -> str | None:
     """The node whose key signed this entry, or None (unsigned, forged, or no keys here)."""
     if key_for_node is None:
         return None

@@ -355,10 +355,7 @@ class LiveState:
                         self.shadow_failures,
                     )
                 for st in states:
-                    slot = st.shadow_states.pop(s.role, None)
-                    if slot is not None:
-                        with contextlib.suppress(Exception):
-                            release_state(fc_model, slot)
+                    self._release_shadow(st, s)
                 continue
             for found, fc in zip(out, forecasts, strict=True):
                 found[s.role] = fc
@@ -366,9 +363,13 @@ class LiveState:
 
     def _release_shadows(self, st: DomainState) -> None:
         for s in self.shadows:
-            slot = st.shadow_states.pop(s.role, None)
-            if slot is not None:
-                release_state(s.forecaster, slot)
+            self._release_shadow(st, s)
+
+    @staticmethod
+    def _release_shadow(st: DomainState, s: Scored) -> None:
+        slot = st.shadow_states.pop(s.role, None)
+        if slot is not None:
+            release_state(s.forecaster, slot)
 
     def _end_episodes(
         self, st: DomainState, reason: str, *, now: float, new_job: bool, job: str | None

@@ -262,18 +262,28 @@ class Ingestor:
             batch = self.dispatch(Evaluated(alerts=expired))
             batch.snapshots = self.ownership.dropped(before - set(self.live.domains))
             await self.commit(batch)
+        # Events are read before the samples and processed after them: an agent writes a
+        # tick's samples before its events, so every sample written before an event read here
+        # is in the streams when they are read next, and an OOM never overtakes its samples
+        # (read the other way round, samples read mid-burst left the rest of the burst to
+        # the next round, after the OOM had made them late). A backlog beyond read_count can
+        # still leave some behind.
+        events = await self.client.xreadgroup(
+            self.events_group, self.consumer, {self.keys.events: ">"}, count=self.read_count
+        )
         streams = self.sample_streams
         resp = None
         if streams:  # one XREADGROUP; on a Redis Cluster one per partition (streams_read.py)
             resp = await read_new(
-                self.client, self.group, self.consumer, streams, self.read_count, self.block_ms
+                self.client,
+                self.group,
+                self.consumer,
+                streams,
+                self.read_count,
+                0 if events else self.block_ms,  # events in hand: do not sit on them
             )
-        else:  # no partition is ours (more replicas than partitions): wait for one
+        elif not events:  # no partition is ours (more replicas than partitions): wait for one
             await asyncio.sleep(self.block_ms / 1000)
-        # Events after the samples read with them: an OOM should not overtake its samples.
-        events = await self.client.xreadgroup(
-            self.events_group, self.consumer, {self.keys.events: ">"}, count=self.read_count
-        )
         self.last_ok = time.monotonic()
         for stream, entries in [*(resp or []), *(events or [])]:
             await self.process(as_str(stream), entries)

@@ -47,13 +47,13 @@ async def read_new(
     block_ms: int,
 ) -> list[StreamBatch]:
     """Entries of ``streams`` never delivered to ``group`` (``>``), up to ``count`` a stream,
-    as ``(stream, entries)`` for each stream that had some; waits up to ``block_ms`` for
-    the first when there are none (see the module's doc for a cluster)."""
+    as ``(stream, entries)`` for each stream that had some; waits up to ``block_ms`` (0: not
+    at all) for the first when there are none (see the module's doc for a cluster)."""
     if not streams:
         return []
     if not is_cluster(client):
-        resp = await client.xreadgroup(
-            group, consumer, dict.fromkeys(streams, ">"), count=count, block=block_ms
+        resp = await client.xreadgroup(  # BLOCK 0 would wait for ever: 0 is no wait here
+            group, consumer, dict.fromkeys(streams, ">"), count=count, block=block_ms or None
         )
         return list(resp or [])
     got = await _each(client, group, consumer, streams, count, None)

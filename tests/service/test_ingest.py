@@ -388,3 +388,37 @@ def test_an_oom_event_counts_only_when_the_node_that_signs_its_domain_sent_it(
         assert wait_until(lambda: ooms(c, "gpu0") == 1 and ooms(c, "GPU-hook") == 1)
         assert len(unattested()) == 3
         assert 'oomcast_samples_rejected_total{reason="unattested"} 3.0' in c.get("/metrics").text
+
+
+@pytest.mark.slow
+def test_an_oom_written_during_a_read_of_its_samples_does_not_overtake_them(
+    redis_url: str, key_prefix: str, rclient: redis.Redis
+) -> None:
+    """An agent writes a burst of ticks, and the OOM event with the last. When the service
+    reads the sample streams mid-burst, the rest of the burst and the event land before its
+    next read. The event must not be processed before those samples, or they count as late
+    (from a job that already OOMed) and are lost: the service reads events before samples."""
+    keys = Keys(key_prefix, 2)
+    ts = [T0 + i for i in range(40)]
+    add(rclient, keys, "n1", [payload("n1", "gpu0", t) for t in ts[:20]])
+    with TestClient(create_app(app_settings(redis_url, key_prefix))) as c:
+        ingestor = c.app.state.ctx.ingestor  # type: ignore[attr-defined]
+        real = ingestor.client.xreadgroup
+        burst = {"done": False}
+
+        async def read_then_burst(*args: Any, **kw: Any) -> Any:
+            got = await real(*args, **kw)
+            streams = args[2] if len(args) > 2 else kw.get("streams", {})
+            new_samples = keys.events not in streams and ">" in streams.values()
+            if new_samples and any(entries for _, entries in got or []) and not burst["done"]:
+                burst["done"] = True  # the agent goes on writing while this read returns
+                add(rclient, keys, "n1", [payload("n1", "gpu0", t) for t in ts[20:]])
+                event = {"ts": T0 + 40, "node": "n1", "device": "gpu0", "event": "oom"}
+                rclient.xadd(keys.events, {"event": json.dumps(event)})
+            return got
+
+        ingestor.client.xreadgroup = read_then_burst
+        assert wait_until(lambda: burst["done"] and seen(c, "n1", "gpu0") >= 20)
+        assert wait_until(lambda: 'oomcast_events_total{event="oom"} 1.0' in c.get("/metrics").text)
+        assert seen(c, "n1", "gpu0") == 40
+        assert "oomcast_late_samples_total 0.0" in c.get("/metrics").text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 
@@ -22,6 +22,9 @@ from oomcast.service.pipeline.rules import Rule
 from oomcast.service.pipeline.state import LiveState
 from oomcast.service.scorecard import OutcomeStore
 from oomcast.service.settings import Settings
+
+if TYPE_CHECKING:
+    from oomcast.service.model_swap import ModelSwitch
 
 HEALTH_TIMEOUT_S = 1.0
 
@@ -90,3 +93,4 @@ class ServiceContext:
     forecaster_reason: str = ""
     provider: str = "python"
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    switch: ModelSwitch | None = None  # swaps the model without a restart (model_swap.py)

@@ -84,6 +84,12 @@ def _reraise_if_cancelled(exc: BaseException) -> None:
         raise asyncio.CancelledError() from exc
 
 
+class Follower(Protocol):
+    """What follows model swaps (service/model_swap.py ModelSwitch)."""
+
+    async def follow(self) -> None: ...
+
+
 class AlertDispatcher(Protocol):
     outbox: Outbox | None  # where the deliveries it decides are owed
 
@@ -156,6 +162,8 @@ class Ingestor:
         self._outcomes: list[Outcome] = []
         # Keep requests for the samples of outcomes worth a trace (service/kept.py).
         self.keeper = keeper
+        # Follows model swaps made on other replicas (service/model_swap.py); set by main.py.
+        self.switch: Follower | None = None
         self._last_claim = 0.0
         self._to_take: set[int] = set()  # acquired, not yet restored and claimed
         self._last_expire = time.monotonic()
@@ -192,6 +200,7 @@ class Ingestor:
         while not self._stopping:
             try:
                 await self._ensure_groups()
+                await self._follow_swaps()  # before restoring: snapshots are of that model
                 await self._own()  # restore and claim first: pending entries need their state
                 await self._drain_own_pending()
                 self.metrics.redis_up.set(1)
@@ -250,7 +259,12 @@ class Ingestor:
             )
         self.metrics.partitions_owned.set(len(self.partitions))
 
+    async def _follow_swaps(self) -> None:
+        if self.switch is not None:
+            await self.switch.follow()
+
     async def _step(self) -> None:
+        await self._follow_swaps()
         await self._own()
         now = time.monotonic()
         if now - self._last_claim >= max(1.0, self.claim_idle_ms / 1000):

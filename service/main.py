@@ -7,18 +7,21 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator
+import signal
+from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import SecretStr
 from redis.asyncio.cluster import RedisCluster
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
 
 from oomcast.model.control import node_keys
-from oomcast.model.forecast import Detector
 from oomcast.model.wire import Keys
 from oomcast.service.api.edge import EdgeMiddleware
 from oomcast.service.api.routes import (
@@ -28,6 +31,7 @@ from oomcast.service.api.routes import (
     dashboard,
     devices,
     health,
+    model,
     predict,
     rules,
     samples,
@@ -43,11 +47,10 @@ from oomcast.service.delivery.worker import DeliveryWorker, Target
 from oomcast.service.ingest import Ingestor
 from oomcast.service.kept import TraceKeeper, kept_keys
 from oomcast.service.metrics import Metrics
+from oomcast.service.model_swap import ModelSwitch, swap_keys
 from oomcast.service.pipeline import forecaster
 from oomcast.service.pipeline.actions import Dispatcher
-from oomcast.service.pipeline.outcomes import CHAMPION, SHADOW, Scored
 from oomcast.service.pipeline.rulefile import load_rules
-from oomcast.service.pipeline.rules import AlertPolicy, policy_rule
 from oomcast.service.pipeline.state import LiveState
 from oomcast.service.scorecard import OutcomeStore, outcome_keys
 from oomcast.service.settings import Settings
@@ -124,18 +127,6 @@ def redis_client(settings: Settings, timeout_s: float) -> aioredis.Redis:
     )
 
 
-def scored_models(settings: Settings, policy: AlertPolicy, shadow: Detector | None) -> list[Scored]:
-    """Who the scorecard scores: the champion by the rule it acts with, and a shadow model
-    (if any) by its own validated rule, on a forecaster state of its own."""
-    if not settings.outcomes:
-        return []
-    out = [Scored(CHAMPION, policy_rule(policy, name="scored"))]
-    if shadow is not None:
-        rule = policy_rule(forecaster.shadow_policy(settings, shadow), name="scored-shadow")
-        out.append(Scored(SHADOW, rule, shadow.forecaster))
-    return out
-
-
 def build_context(settings: Settings) -> ServiceContext:
     keys = Keys(settings.key_prefix, settings.partitions)
     choice = forecaster.choose(settings)
@@ -165,7 +156,7 @@ def build_context(settings: Settings) -> ServiceContext:
         max_domains=settings.max_domains,
         max_domains_per_node=settings.max_domains_per_node,
         # the models scored on the fleet's outcomes, each by the rule it was validated with
-        scored=scored_models(settings, policy, shadow),
+        scored=forecaster.scored_models(settings, policy, shadow),
     )
     # With leases, no round trip may outlast the slack between a lease's local deadline
     # and its expiry in Redis plus the commit margin (service/cluster/ownership.py): 0.4 x the TTL.
@@ -240,7 +231,7 @@ def build_context(settings: Settings) -> ServiceContext:
     )
     if deliveries.alertmanager is not None:
         ingestor.ownership.keep_alive_in(deliveries.alertmanager)
-    return ServiceContext(
+    ctx = ServiceContext(
         settings,
         keys,
         client,
@@ -256,6 +247,56 @@ def build_context(settings: Settings) -> ServiceContext:
         dispatcher=dispatcher,
         outcomes=outcome_store,
     )
+    ctx.switch = ingestor.switch = ModelSwitch(
+        ctx,
+        source=settings.model_path or _shipped_or_named(settings, choice),
+        shadow=shadow,
+        shadow_source=settings.shadow_model_path,
+        seal_keys=swap_keys(*_secrets(settings)),
+    )
+    return ctx
+
+
+def _shipped_or_named(settings: Settings, choice: forecaster.Choice) -> str:
+    """Where the champion came from when no OOMCAST_MODEL_PATH names it."""
+    if choice.kind == "model":
+        from oomcast.model.runtime import DEFAULT_MODEL
+
+        return str(DEFAULT_MODEL)
+    return str(choice.detector.forecaster.version)  # a baseline, by its version
+
+
+def _reload_on_sighup(ctx: ServiceContext) -> Callable[[], None]:
+    """SIGHUP reloads the model file (service/model_swap.py); returns what undoes that.
+    Where signals cannot be handled here (not the main thread: an app run by a test
+    client), nothing is installed."""
+    switch = ctx.switch
+    running: set[asyncio.Task[None]] = set()
+    loop = asyncio.get_running_loop()
+
+    def on_hup() -> None:
+        if switch is not None:
+            task = loop.create_task(switch.reload_configured(), name="sighup-reload")
+            running.add(task)
+            task.add_done_callback(running.discard)
+
+    try:
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
+    except (NotImplementedError, RuntimeError, ValueError):
+        return lambda: None
+    return lambda: loop.remove_signal_handler(signal.SIGHUP) and None
+
+
+def _allowed(spec: dict[str, Any], path: str) -> list[str]:
+    """The methods the OpenAPI document lists for the route ``path`` falls under."""
+    for template, operations in spec.get("paths", {}).items():
+        regex, _, _ = compile_path(template)
+        if regex.match(path):
+            return sorted(m.upper() for m in operations if m.upper() in HTTP_METHODS)
+    return []
+
+
+HTTP_METHODS = {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -269,9 +310,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ctx.tasks.append(asyncio.create_task(ctx.ingestor.run(), name="ingest"))  # tasks[0]
         if ctx.ingestor.keeper is not None:
             ctx.tasks.append(asyncio.create_task(ctx.ingestor.keeper.run(), name="keep-traces"))
+        hup = _reload_on_sighup(ctx)
         try:
             yield
         finally:
+            hup()
             await ctx.ingestor.stop(ctx.tasks[0])
             if ctx.ingestor.keeper is not None:
                 await ctx.ingestor.keeper.stop(ctx.tasks[1])
@@ -295,11 +338,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ]
         return JSONResponse(status_code=422, content={"detail": errors})
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 405:  # Starlette's Allow names one route's methods, not the path's
+            methods = _allowed(request.app.openapi(), request.url.path)
+            if methods:
+                exc.headers = {**(exc.headers or {}), "Allow": ", ".join(methods)}
+        return await http_exception_handler(request, exc)
+
     # Outside routing: the token and the body limit are enforced before a body is read.
     token = settings.api_token.get_secret_value() if settings.api_token else None
     app.add_middleware(EdgeMiddleware, max_body_bytes=settings.max_body_bytes, api_token=token)
 
-    for module in (predict, samples, devices, alerts, rules, admit, scorecard):
+    for module in (predict, samples, devices, alerts, rules, admit, scorecard, model):
         app.include_router(module.router, prefix="/v1")
     app.include_router(health.router)
     app.include_router(apidocs.router)

@@ -212,6 +212,14 @@ class Metrics:
             "The shadow model scored beside the forecaster, acting on nothing (empty: none)",
             registry=r,
         )
+        self.model_swaps = Counter(
+            "oomcast_model_swaps_total",
+            "Model swaps by how they ended: swapped (asked here), followed (asked on another"
+            " replica), refused (the model would not load or match), forged (a swap record"
+            " whose seal failed), ignored (a record for replicas configured otherwise)",
+            ["result"],
+            registry=r,
+        )
 
     def domain_forecasts(self, ranked: Sequence[DomainRow], cap: int) -> None:
         """The per-domain gauges anew from ``ranked`` (riskiest first): the first ``cap``

@@ -50,7 +50,16 @@ _ALL: Responses = {
         " service has OOMCAST_API_TOKEN set).",
         "headers": {"WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer"}},
     },
+    403: {
+        "model": Problem,
+        "description": "Refused whatever the token: model swaps need the service to have"
+        " OOMCAST_API_TOKEN set.",
+    },
     404: {"model": Problem, "description": "No live memory domain of that name."},
+    409: {
+        "model": Problem,
+        "description": "Nothing to promote: no shadow model runs (OOMCAST_SHADOW_MODEL_PATH).",
+    },
     413: {
         "model": Problem,
         "description": "The body is over OOMCAST_MAX_BODY_BYTES (8 MiB unless configured).",

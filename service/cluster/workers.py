@@ -373,6 +373,18 @@ async def one_domain(pool: WorkerPool, request: Request) -> Response:
     return answers[0].response()
 
 
+def _swap_problem(bodies: list[dict[str, Any]]) -> str | None:
+    """A worker's reason for not following a model swap, or the workers' models differing
+    (a swap asked of one worker, with no secret to seal it for the others)."""
+    for b in bodies:
+        if b.get("model_swap_problem"):
+            return f"worker {b['worker']}: {b['model_swap_problem']}"
+    versions = {str(b["model_version"]) for b in bodies if b.get("model_version")}
+    if len(versions) > 1:
+        return f"the workers run different models: {', '.join(sorted(versions))}"
+    return None
+
+
 async def readyz(pool: WorkerPool, request: Request) -> Response:
     answers, problems = await _ask_all(pool, request)
     bodies: list[dict[str, Any]] = []
@@ -400,6 +412,7 @@ async def readyz(pool: WorkerPool, request: Request) -> Response:
         "shadow_model_version": next(
             (b["shadow_model_version"] for b in bodies if "model_version" in b), None
         ),
+        "model_swap_problem": _swap_problem(bodies),
         "forecaster": first.get("forecaster"),
         "partitions": sorted({p for b in bodies for p in b.get("partitions") or []}),
         "problem": problems[0] if problems else None,

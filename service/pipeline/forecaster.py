@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from oomcast.model.baselines import baseline_by_name, baseline_detectors
 from oomcast.model.forecast import Detector
-from oomcast.service.pipeline.rules import AlertPolicy
+from oomcast.service.pipeline.outcomes import CHAMPION, SHADOW, Scored
+from oomcast.service.pipeline.rules import AlertPolicy, policy_rule
 from oomcast.service.settings import Settings
 
 log = logging.getLogger("oomcast.service")
@@ -83,25 +84,38 @@ def choose_shadow(settings: Settings) -> Detector | None:
     name = settings.shadow_model_path
     if not name:
         return None
+    det, kind, _ = load_named(name, "OOMCAST_SHADOW_MODEL_PATH")
+    log.info(
+        "shadow: %s %s from %s, scored beside the champion", kind, det.forecaster.version, name
+    )
+    return Detector("shadow", det.forecaster, det.rule)
+
+
+def is_baseline(name: str) -> bool:
+    """Whether ``name`` is a baseline's name or version (threshold_0.90,
+    baseline/threshold_0.90)."""
+    return any(name in (d.name, str(d.forecaster.version)) for d in baseline_detectors())
+
+
+def load_named(name: str, what: str) -> tuple[Detector, str, str]:
+    """The forecaster ``name`` names: a baseline (by name or version) or an ONNX model's
+    path; with its kind ("baseline" or "model") and provider. An error naming ``what`` (the
+    setting or field that gave the name) when it cannot be loaded."""
+    if is_baseline(name):  # threshold_0.90, or baseline/threshold_0.90
+        return baseline_by_name(name), "baseline", "python"
     baselines = [d.name for d in baseline_detectors()]
-    versions = [str(d.forecaster.version) for d in baseline_detectors()]
-    if name in baselines or name in versions:  # threshold_0.90, or baseline/threshold_0.90
-        det = baseline_by_name(name)
-        log.info("shadow: the baseline %s, scored beside the champion", det.forecaster.version)
-        return det
     try:
         from oomcast.model.runtime import ModelLoadError, OnnxForecaster
     except ImportError as exc:
-        raise RuntimeError(f"OOMCAST_SHADOW_MODEL_PATH={name}: no ONNX runtime ({exc})") from None
+        raise RuntimeError(f"{what}={name}: no ONNX runtime ({exc})") from None
     try:
         fc = OnnxForecaster(name)
     except ModelLoadError as exc:
         raise ModelLoadError(
-            f"OOMCAST_SHADOW_MODEL_PATH={name}: {exc} (an ONNX model's path, or one of the"
+            f"{what}={name}: {exc} (an ONNX model's path, or one of the"
             f" baselines: {', '.join(baselines)})"
         ) from None
-    log.info("shadow: model %s from %s, scored beside the champion", fc.version, name)
-    return Detector("shadow", fc, fc.rule)
+    return Detector("model", fc, fc.rule), "model", fc.provider
 
 
 def shadow_policy(settings: Settings, shadow: Detector) -> AlertPolicy:
@@ -114,3 +128,15 @@ def shadow_policy(settings: Settings, shadow: Detector) -> AlertPolicy:
         rule.fire_after,
         settings.alert_resolve_after,
     )
+
+
+def scored_models(settings: Settings, policy: AlertPolicy, shadow: Detector | None) -> list[Scored]:
+    """Who the scorecard scores: the champion by the rule it acts with, and a shadow model
+    (if any) by its own validated rule, on a forecaster state of its own."""
+    if not settings.outcomes:
+        return []
+    out = [Scored(CHAMPION, policy_rule(policy, name="scored"))]
+    if shadow is not None:
+        rule = policy_rule(shadow_policy(settings, shadow), name="scored-shadow")
+        out.append(Scored(SHADOW, rule, shadow.forecaster))
+    return out

@@ -34,6 +34,7 @@ from oomcast.service.api.device_query import DeviceFilter, DevicePage, RankCache
 from oomcast.service.pipeline.explainer import diagnosis_of, explained
 from oomcast.service.pipeline.history import History
 from oomcast.service.pipeline.outcomes import (
+    CHAMPION,
     Outcome,
     Scored,
     Watch,
@@ -360,6 +361,51 @@ class LiveState:
             for found, fc in zip(out, forecasts, strict=True):
                 found[s.role] = fc
         return out
+
+    def swap_champion(
+        self,
+        forecaster: Forecaster,
+        rules: Sequence[Rule],
+        *,
+        horizon_s: int,
+        scored: Sequence[Scored],
+        promoted: str | None = None,
+    ) -> int:
+        """Make ``forecaster`` the champion, acting by ``rules``, between two rounds (this
+        is synchronous: no round sees half a swap). With ``promoted`` (a shadow's role),
+        ``forecaster`` is that shadow's model: each domain's state and outcome watch of the
+        shadow become the champion's and the champion's become the shadow's (``scored``
+        names the old champion in that role), so both stay warm and a second promotion
+        undoes the first. Otherwise every domain's champion state starts afresh, and the
+        champion's watches go on under the new model. Returns how many domains were warm."""
+        old = self.forecaster
+        warm = 0
+        for st in self.domains.values():
+            if promoted is not None:
+                if promoted in st.shadow_states:  # a state may be None (a stateless baseline)
+                    slot = st.shadow_states.pop(promoted)
+                    warm += 1
+                else:
+                    slot = forecaster.init_state()
+                st.shadow_states[promoted] = st.forecaster_state
+                st.forecaster_state = slot
+                mine, theirs = st.watches.pop(CHAMPION, None), st.watches.pop(promoted, None)
+                if theirs is not None:
+                    st.watches[CHAMPION] = theirs
+                if mine is not None:
+                    st.watches[promoted] = mine
+            else:
+                release_state(old, st.forecaster_state)
+                st.forecaster_state = forecaster.init_state()
+            st.rule_key = None  # the rules are new objects: which match is worked out again
+            st.quiet = False
+        self.forecaster = forecaster
+        self.rules = list(rules)
+        self.horizon_s = horizon_s
+        self.scored = list(scored)
+        self.shadows = [s for s in self.scored if s.forecaster is not None]
+        self.__dict__.pop("_rank_cache", None)  # its keys are risks at the old horizon
+        return warm
 
     def _release_shadows(self, st: DomainState) -> None:
         for s in self.shadows:

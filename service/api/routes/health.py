@@ -116,6 +116,8 @@ async def readyz(ctx: Ctx, response: Response) -> dict[str, object]:
         "model_version": ctx.detector.forecaster.version,
         # a challenger scored beside it, acting on nothing (OOMCAST_SHADOW_MODEL_PATH)
         "shadow_model_version": next((s.forecaster.version for s in ctx.live.shadows), None),
+        # why this replica did not follow the newest model swap (GET /v1/model), if it did not
+        "model_swap_problem": ctx.switch.problem if ctx.switch is not None else None,
         "forecaster": {
             "kind": ctx.forecaster_kind,
             "reason": ctx.forecaster_reason,

@@ -50,7 +50,7 @@ from oomcast.service.metrics import Metrics
 from oomcast.service.model_swap import ModelSwitch, swap_keys
 from oomcast.service.pipeline import forecaster
 from oomcast.service.pipeline.actions import Dispatcher
-from oomcast.service.pipeline.rulefile import load_rules
+from oomcast.service.pipeline.rulefile import check_rules_file, rules_from
 from oomcast.service.pipeline.state import LiveState
 from oomcast.service.scorecard import OutcomeStore, outcome_keys
 from oomcast.service.settings import Settings
@@ -144,7 +144,8 @@ def build_context(settings: Settings) -> ServiceContext:
     shadow = forecaster.choose_shadow(settings)
     if shadow is not None:
         metrics.shadow_model.info({"version": shadow.forecaster.version})
-    rules = load_rules(settings.rules_path(), policy)
+    rule_specs = check_rules_file(settings.rules_path()).rules  # kept for model swaps
+    rules = rules_from(rule_specs, policy)
     log.info("rules from %s: %s", settings.rules_path(), "; ".join(r.describe() for r in rules))
     live = LiveState(
         detector.forecaster,
@@ -253,6 +254,7 @@ def build_context(settings: Settings) -> ServiceContext:
         shadow=shadow,
         shadow_source=settings.shadow_model_path,
         seal_keys=swap_keys(*_secrets(settings)),
+        rule_specs=rule_specs,
     )
     return ctx
 
@@ -284,7 +286,11 @@ def _reload_on_sighup(ctx: ServiceContext) -> Callable[[], None]:
         loop.add_signal_handler(signal.SIGHUP, on_hup)
     except (NotImplementedError, RuntimeError, ValueError):
         return lambda: None
-    return lambda: loop.remove_signal_handler(signal.SIGHUP) and None
+
+    def undo() -> None:
+        loop.remove_signal_handler(signal.SIGHUP)
+
+    return undo
 
 
 def _allowed(spec: dict[str, Any], path: str) -> list[str]:

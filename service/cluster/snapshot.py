@@ -367,18 +367,7 @@ def _restore(
         raise SnapshotError(f"snapshot watches: {exc}") from None
     if st.last is not None and st.last.domain != domain:
         raise SnapshotError(f"snapshot of {domain} holds a sample of {st.last.domain}")
-    same_model = body.get("model") == forecaster.version and body.get("emb_v") == EMBEDDING_VERSION
-    if not same_model:
-        log.warning(
-            "the snapshot of %s/%s was made by model %s (embedding v%s), not %s (v%s): its"
-            " episodes and counters are kept, its forecaster state starts cold",
-            *domain,
-            body.get("model"),
-            body.get("emb_v"),
-            forecaster.version,
-            EMBEDDING_VERSION,
-        )
-    kept = _shadow_watches_and_states(body, domain, st, shadows)
+    champion_data, kept = _states_by_model(body, domain, st, forecaster, shadows)
     if latest is not None:
         _check_times(st, latest)
     # Last: the ONNX forecasters take slots here, once nothing else can fail. A shadow's
@@ -394,7 +383,7 @@ def _restore(
                 exc,
             )
     try:
-        st.forecaster_state = import_state(forecaster, body["forecaster"] if same_model else None)
+        st.forecaster_state = import_state(forecaster, champion_data)
     except Exception:
         for role, slot in st.shadow_states.items():
             release_state(shadows[role], slot)
@@ -402,33 +391,63 @@ def _restore(
     return st
 
 
-def _shadow_watches_and_states(
-    body: Mapping[str, Any], domain: Domain, st: DomainState, shadows: Mapping[str, Forecaster]
-) -> dict[str, Mapping[str, Any]]:
-    """Drop from ``st`` the watches of shadows this replica does not run as the blob's
-    model; the saved states of those it does, to import (a malformed entry: cold)."""
+def _states_by_model(
+    body: Mapping[str, Any],
+    domain: Domain,
+    st: DomainState,
+    forecaster: Forecaster,
+    shadows: Mapping[str, Forecaster],
+) -> tuple[Any, dict[str, Mapping[str, Any]]]:
+    """Each of this replica's models gets the saved state and watch of the same model,
+    whatever role it had in the blob (a replica that has not yet followed a promotion
+    restores a blob made after it): the champion's state to import (None: cold), and the
+    shadows' by role. A model the blob does not hold starts cold, and a shadow's watch is
+    dropped unless the blob holds its model: an alert of one model is never credited to
+    another. The champion's watch is kept when the blob's champion was another model (a
+    deploy of a new one): its outcomes carry the old model's version."""
     saved = body.get("shadows") or {}  # absent from blobs older than shadow models
     if not isinstance(saved, dict):
         log.warning("the snapshot of %s/%s has malformed shadows: they start cold", *domain)
         saved = {}
-    # A shadow's watch holds its model's alert so far: kept only where this replica runs
-    # the same shadow model, so one model's alert is never credited to another.
-    for role in [r for r in st.watches if r != CHAMPION]:
-        entry = saved.get(role)
-        model = shadows.get(role)
-        if model is None or not isinstance(entry, dict) or entry.get("model") != model.version:
-            del st.watches[role]
-    kept: dict[str, Mapping[str, Any]] = {}
-    for role, model in shadows.items():
-        entry = saved.get(role)
-        if (
-            isinstance(entry, dict)
-            and entry.get("model") == model.version
-            and body.get("emb_v") == EMBEDDING_VERSION
-            and isinstance(entry.get("state"), dict)
-        ):
-            kept[role] = entry["state"]  # else: that shadow starts cold on this domain
-    return kept
+    same_emb = body.get("emb_v") == EMBEDDING_VERSION
+    versions: dict[str, Any] = {CHAMPION: body.get("model")}  # blob role -> its model
+    states: dict[str, Any] = {CHAMPION: body.get("forecaster")}
+    for role, entry in saved.items():
+        if isinstance(entry, dict):
+            versions[str(role)] = entry.get("model")
+            if isinstance(entry.get("state"), dict):
+                states[str(role)] = entry["state"]
+    ours: dict[str, Forecaster] = {CHAMPION: forecaster, **shadows}
+    source = {
+        role: next((r for r, v in versions.items() if v == model.version), None)
+        for role, model in ours.items()
+    }
+    if source[CHAMPION] is None:
+        log.warning(
+            "the snapshot of %s/%s was made by model %s (embedding v%s), not %s (v%s): its"
+            " episodes and counters are kept, its forecaster state starts cold",
+            *domain,
+            body.get("model"),
+            body.get("emb_v"),
+            forecaster.version,
+            EMBEDDING_VERSION,
+        )
+    watches = dict(st.watches)
+    st.watches = {}
+    for role in ours:
+        src = source[role]
+        if src is not None and src in watches:
+            st.watches[role] = watches[src]
+        elif role == CHAMPION and CHAMPION in watches and source[CHAMPION] is None:
+            st.watches[role] = watches[CHAMPION]  # a new deploy: the old model's watch goes on
+    champion_src = source[CHAMPION]
+    champion_data = states.get(champion_src) if champion_src is not None and same_emb else None
+    kept = {
+        role: states[src]
+        for role, src in source.items()
+        if role != CHAMPION and src is not None and same_emb and src in states
+    }
+    return champion_data, kept
 
 
 TIMES = ("last_oom_ts", "last_seen_wall", "attested_at", "unattested_at", "behind_ts")

@@ -169,6 +169,7 @@ class WorkerPool:
 
     def __init__(self, settings: Settings, workers: int, log_level: str) -> None:
         shares = worker_partitions(settings, workers)
+        self.settings = settings
         self.folder = Path(tempfile.mkdtemp(prefix="oomcast-workers-"))
         self.log_level = log_level
         self.workers = []
@@ -499,6 +500,45 @@ async def forward(pool: WorkerPool, request: Request) -> Response:
     return _unavailable(problems)
 
 
+async def swap_model(pool: WorkerPool, request: Request) -> Response:
+    """``POST /v1/model``: to one worker, never sent twice (a promotion sent again would
+    undo itself); the others follow its sealed swap record. Without a secret there is no
+    record they could trust: refused rather than leave the workers on different models."""
+    if len(pool.workers) > 1 and not (pool.settings.control_secret or pool.settings.webhook_secret):
+        return JSONResponse(
+            {
+                "detail": "with --workers, model swaps need OOMCAST_CONTROL_SECRET or"
+                " OOMCAST_WEBHOOK_SECRET: the other workers follow a swap only by its sealed"
+                " record, and without one they would run another model"
+            },
+            status_code=409,
+        )
+    body = await request.body()
+    problems = []
+    for _ in range(len(pool.workers)):
+        w = pool.next_worker()
+        if not w.running():  # not sent: another may take it
+            problems.append(f"worker {w.index} is not running")
+            continue
+        got = await _ask(w, request, body)
+        if isinstance(got, Answer):
+            return got.response()
+        return _unavailable([got, "the swap may or may not have been made: see GET /v1/model"])
+    return _unavailable(problems)
+
+
+def forward_sighup(pool: WorkerPool) -> None:
+    """SIGHUP to the front: to one running worker when the workers share a secret (the
+    others follow its swap record), else to each."""
+    running = [w for w in pool.workers if w.running() and w.proc is not None]
+    shared = pool.settings.control_secret or pool.settings.webhook_secret
+    for w in running[:1] if shared else running:
+        assert w.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            w.proc.send_signal(signal.SIGHUP)
+    log.info("SIGHUP passed to %s", "one worker" if shared else f"{len(running)} workers")
+
+
 Handler = Callable[[WorkerPool, Request], Awaitable[Response]]
 
 
@@ -511,6 +551,8 @@ def _route(path: str, method: str) -> Handler:
         return list_devices
     if path.startswith("/v1/devices/") or (path == "/v1/admit" and method == "POST"):
         return one_domain
+    if path == "/v1/model" and method == "POST":
+        return swap_model
     return forward
 
 
@@ -518,9 +560,16 @@ def create_front(settings: Settings, pool: WorkerPool) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await pool.start()
+        loop = asyncio.get_running_loop()
+        hup = False
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(signal.SIGHUP, forward_sighup, pool)  # not fatal here
+            hup = True
         try:
             yield
         finally:
+            if hup:
+                loop.remove_signal_handler(signal.SIGHUP)
             await pool.stop()
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

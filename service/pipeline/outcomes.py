@@ -163,6 +163,9 @@ class Watch:
     ended: Watch | None = None
     ended_job: str | None = None
     ended_version: str | None = None
+    # The model whose watch this is: its outcomes carry this version, whichever model acts
+    # when they are decided (a swap moves watches with their models: service/model_swap.py)
+    version: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in _WATCH_SCALARS}
@@ -206,7 +209,7 @@ class Watch:
 
 _WATCH_SCALARS = ("start_ts", "last_ts", "flushed_ts", "max_level", "alert_ts", "alert_id",
                   "alert_end_ts", "alert_max_level", "cause", "ended_job",
-                  "ended_version")  # fmt: skip
+                  "ended_version", "version")  # fmt: skip
 
 
 def _trail(trail: Any) -> list[tuple[float, float, float | None]]:
@@ -222,7 +225,7 @@ def _trail(trail: Any) -> list[tuple[float, float, float | None]]:
 
 
 def _scalar(k: str, v: Any) -> Any:
-    if k in ("alert_id", "cause", "ended_job", "ended_version"):
+    if k in ("alert_id", "cause", "ended_job", "ended_version", "version"):
         if v is not None and not isinstance(v, str):
             raise ValueError(f"watch {k}: must be a string or null")
         return v

@@ -33,6 +33,7 @@ from __future__ import annotations
 import difflib
 import json
 import typing
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -330,7 +331,12 @@ def _did_you_mean(error: Any) -> str:
 
 def load_rules(path: str | Path, policy: AlertPolicy) -> list[Rule]:
     """The rules of a file, built (``model_rule`` takes ``policy``), highest priority first."""
-    rules = [build_rule(s, policy) for s in check_rules_file(path).rules]
+    return rules_from(check_rules_file(path).rules, policy)
+
+
+def rules_from(specs: Iterable[RuleSpec], policy: AlertPolicy) -> list[Rule]:
+    """The rules ``specs`` describe, built with ``policy``, highest priority first."""
+    rules = [build_rule(s, policy) for s in specs]
     return sorted(rules, key=lambda r: -r.priority)
 
 

@@ -293,6 +293,9 @@ class LiveState:
         return out
 
     def _version(self, st: DomainState, s: Scored) -> str:
+        w = st.watches.get(s.role)
+        if w is not None and w.version:  # the model whose watch it is (a swap moves them)
+            return w.version
         if s.forecaster is not None:  # a shadow's outcomes are of its own model
             return str(s.forecaster.version)
         return st.forecast.model_version if st.forecast is not None else self.forecaster.version
@@ -323,6 +326,8 @@ class LiveState:
             w = st.watches.get(s.role)
             if w is None:
                 w = st.watches[s.role] = Watch()
+            if w.version is None:
+                w.version = own.model_version
             found = observe(w, s, sample, own, st.job, _cause, st)
             if found:
                 self.outcomes.extend(found)
@@ -371,14 +376,17 @@ class LiveState:
         scored: Sequence[Scored],
         promoted: str | None = None,
     ) -> int:
-        """Make ``forecaster`` the champion, acting by ``rules``, between two rounds (this
-        is synchronous: no round sees half a swap). With ``promoted`` (a shadow's role),
-        ``forecaster`` is that shadow's model: each domain's state and outcome watch of the
-        shadow become the champion's and the champion's become the shadow's (``scored``
-        names the old champion in that role), so both stay warm and a second promotion
-        undoes the first. Otherwise every domain's champion state starts afresh, and the
-        champion's watches go on under the new model. Returns how many domains were warm."""
+        """Make ``forecaster`` the champion, acting by ``rules``, between two rounds (the
+        ingest loop calls this between rounds; it is synchronous). With ``promoted`` (a
+        shadow's role), ``forecaster`` is that shadow's model: each domain's state and
+        outcome watch of the shadow become the champion's and the champion's become the
+        shadow's (``scored`` names the old champion in that role), so both stay warm and a
+        second promotion undoes the first. Otherwise every domain's champion state starts
+        afresh, and the old model's watch ends there as if its job had (its standing alert
+        censored unless the OOM comes before the new model's first sample). Returns how
+        many domains were warm."""
         old = self.forecaster
+        champion = next((s for s in self.scored if s.role == CHAMPION), None)
         warm = 0
         for st in self.domains.values():
             if promoted is not None:
@@ -397,6 +405,13 @@ class LiveState:
             else:
                 release_state(old, st.forecaster_state)
                 st.forecaster_state = forecaster.init_state()
+                # the old model's watch ends as if its job had (an OOM that comes before the
+                # new model's first sample is still the old one's); the new one's starts
+                w = st.watches.get(CHAMPION)
+                if w is not None and champion is not None:
+                    version = w.version or str(old.version)
+                    st.watches[CHAMPION], found = hand_over(w, champion, st.last, st.job, version)
+                    self.outcomes.extend(found)
             st.rule_key = None  # the rules are new objects: which match is worked out again
             st.quiet = False
         self.forecaster = forecaster

@@ -4,6 +4,7 @@ sealed swap record (and not a forged one)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -77,8 +78,18 @@ def test_promoting_the_shadow_swaps_models_and_their_states_and_loses_no_sample(
         st = live.domains[("n1", "gpu0")]
         shadow_state, champion_state = st.shadow_states[SHADOW], st.forecaster_state
 
+        made_by: list[str] = []
+        original = live.swap_champion
+
+        def watched(*args: Any, **kw: Any) -> int:
+            task = asyncio.current_task()
+            made_by.append(task.get_name() if task is not None else "no task")
+            return original(*args, **kw)
+
+        live.swap_champion = watched
         r = c.post("/v1/model", json={"promote": "shadow", "reason": "test"}, headers=AUTH)
         assert r.status_code == 200, r.text
+        assert made_by == ["ingest"]  # between two of its rounds, never mid-round
         done = r.json()
         assert done["changed"] and done["promoted"] and done["propagated"]
         assert (done["previous"], done["version"]) == ("baseline/threshold_0.95",
@@ -159,7 +170,9 @@ def test_swaps_are_refused_with_a_reason_and_change_nothing(
         assert r.status_code == 409 and str(garbage) in r.json()["detail"]
         r = c.post("/v1/model", json={"model": str(DEFAULT_MODEL), "sha256": "0" * 64},
                    headers=AUTH)  # fmt: skip
-        assert r.status_code == 409 and "not " + "0" * 64 in r.text
+        assert r.status_code == 409 and "not the file whose SHA-256 is " + "0" * 64 in r.text
+        r = c.post("/v1/model", json={"model": "/etc/hostname"}, headers=AUTH)
+        assert r.status_code == 409 and "ending in .onnx" in r.json()["detail"]
         same = c.post("/v1/model", json={"model": "threshold_0.95"}, headers=AUTH).json()
         assert same == {"changed": False, "model_version": "baseline/threshold_0.95",
                         "reason": "already in use"}  # fmt: skip
@@ -199,9 +212,17 @@ def test_other_replicas_follow_a_sealed_swap_and_not_a_forged_or_foreign_one(
             "base": "baseline/threshold_0.95",
             "promoted": False,
         }
-        rclient.set(record_key(key_prefix), json.dumps(forged))
+        rclient.hset(record_key(key_prefix), mapping={"seq": 99, "body": json.dumps(forged)})
         assert wait_until(lambda: 'result="forged"} 1.0' in cb.get("/metrics").text, 15)
         assert version(cb) == "baseline/threshold_0.90"
+        assert "refused" in cb.get("/readyz").json()["model_swap_problem"]
+
+        # Redis lost the record (a restart without persistence): the next swap is followed
+        rclient.delete(record_key(key_prefix))
+        r = ca.post("/v1/model", json={"model": "threshold_0.95"}, headers=AUTH)
+        assert r.json()["seq"] == 1
+        assert wait_until(lambda: version(cb) == "baseline/threshold_0.95", 15)
+        assert cb.get("/readyz").json()["model_swap_problem"] is None
 
     # a replica restarted later comes up with the swapped model, before it reads anything
     # (the forged record is replaced by a real one first)
@@ -271,3 +292,35 @@ def test_sighup_reloads_the_model_file_in_a_running_service(
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+@pytest.mark.slow
+def test_an_oom_right_after_a_promotion_is_credited_to_the_model_that_warned(
+    redis_url: str, key_prefix: str, rclient: redis.Redis
+) -> None:
+    """No sample between the promotion and the OOM: each outcome still carries the version
+    of the model whose watch it is, not the last forecast's."""
+    keys = Keys(key_prefix, 1)
+    start = time.time() - 600
+    app = create_app(settings(redis_url, key_prefix, shadow_model_path="threshold_0.90"))
+    climb = [payload("gpu0", start + t, 0.5 if t < 100 else 0.92) for t in range(160)]
+    with TestClient(app) as c:
+        assert wait_until(lambda: c.get("/readyz").status_code == 200)
+        for i in range(0, 160, 20):
+            rclient.xadd(keys.samples_for("n1"), encode_samples("n1", climb[i : i + 20]))
+        assert wait_until(lambda: seen(c) == 160)
+        r = c.post("/v1/model", json={"promote": "shadow"}, headers=AUTH)
+        assert r.status_code == 200, r.text
+        rclient.xadd(keys.events, {"event": json.dumps(
+            {"ts": start + 160, "node": "n1", "device": "gpu0", "event": "oom"})})  # fmt: skip
+
+        def models() -> dict[str, dict[str, Any]]:
+            r = c.get("/v1/scorecard", params={"since": str(start - 10)}, headers=AUTH)
+            return {m["role"]: m for m in r.json()["models"]}
+
+        assert wait_until(lambda: sum(m.get("ooms", 0) for m in models().values()) == 2)
+        found = models()
+        assert found[CHAMPION]["model_version"] == "baseline/threshold_0.90"
+        assert (found[CHAMPION]["warned_30s"], found[CHAMPION]["missed_30s"]) == (1, 0)
+        assert found[SHADOW]["model_version"] == "baseline/threshold_0.95"
+        assert (found[SHADOW]["warned_30s"], found[SHADOW]["missed_30s"]) == (0, 1)

@@ -7,11 +7,10 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
-from redis.exceptions import RedisError
 
 from oomcast.service.api.deps import Authorized, Ctx, unavailable, write_refusal
 from oomcast.service.api.responses import V1, WITH_BODY, Problem, responses
-from oomcast.service.model_swap import SwapError
+from oomcast.service.model_swap import SwapError, SwapNotRecorded
 
 router = APIRouter(tags=["model"], dependencies=[Authorized])
 
@@ -87,6 +86,7 @@ async def swap_model(ctx: Ctx, body: LoadModel | PromoteShadow) -> dict[str, Any
         return await ctx.switch.request(source=body.model, sha256=body.sha256, reason=body.reason)
     except SwapError as exc:
         raise HTTPException(exc.status, str(exc)) from None
-    except RedisError as exc:
-        why = write_refusal(exc) or f"Redis is unreachable: {exc}"
-        raise unavailable(f"{why}; the model was not swapped") from None
+    except SwapNotRecorded as exc:
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        why = write_refusal(cause) or "Redis failed"
+        raise unavailable(f"{why}: {exc}") from None

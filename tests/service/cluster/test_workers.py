@@ -309,8 +309,18 @@ def test_serve_with_two_workers_is_one_service_and_outlives_a_killed_worker(
     assert wait_until(lambda: sorted(_walk(base, 10)) == every, 30)
     assert "oomcast_worker_restarts_total 1.0" in httpx.get(base + "/metrics").text
 
-    # stopping the service stops its workers
+    # a model swap through the front: refused without a secret the workers could follow
+    swap = httpx.post(base + "/v1/model", json={"model": "threshold_0.95"}, headers=AUTH)
+    assert swap.status_code == 409 and "OOMCAST_CONTROL_SECRET" in swap.json()["detail"]
+    assert _readyz(base)["model_version"] == "baseline/threshold_0.90"
+    # SIGHUP reloads the model file (here there is none: a baseline); it stops nothing
     now = [w["pid"] for w in _readyz(base)["workers"]]
+    proc.send_signal(signal.SIGHUP)
+    assert not wait_until(lambda: proc.poll() is not None, 3)  # alive: the signal is handled
+    assert _readyz(base)["status"] == "ready"
+    assert [w["pid"] for w in _readyz(base)["workers"]] == now
+
+    # stopping the service stops its workers
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(40) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
     assert wait_until(lambda: not any(_alive(p) for p in now), 10), now

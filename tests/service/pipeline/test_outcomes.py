@@ -333,3 +333,57 @@ def test_a_snapshot_from_the_future_gives_back_every_slot() -> None:
     second = live_onnx()
     assert second.restore(blob, now=T0 - 3600) is None  # its samples lie an hour ahead
     assert (len(champion._free), len(shadow._free)) == free
+
+
+def test_a_replica_that_has_not_followed_a_promotion_credits_each_model_its_own_alert() -> None:
+    """Replica A promoted its shadow (90%, alerting) and its blob says so; replica B, still
+    running the 95% model as champion and the 90% one as shadow, takes the domain over
+    before it follows the swap: each model gets back its own watch, whatever role the blob
+    gave it, so the 90% model's warning is not credited to the 95% one."""
+    first = with_shadow(ThresholdBaseline(0.9))
+    feed(first, [(0, 0.5), (100, 0.92), (130, 0.0)])
+    [champion, shadow] = first.scored
+    old = first.forecaster
+    promoted = shadow.forecaster
+    first.swap_champion(
+        promoted,
+        [],
+        horizon_s=60,
+        scored=[Scored(CHAMPION, champion.rule), Scored(SHADOW, shadow.rule, old)],
+        promoted=SHADOW,
+    )
+    blob = first.snapshot(("n1", "gpu0"))
+    lagging = with_shadow(ThresholdBaseline(0.9))
+    lagging.restore(blob, now=T0 + 130)
+    lagging.on_event(Event(T0 + 140.0, "n1", "gpu0", "oom"), now=T0 + 140)
+    found = {o.role: o for o in decided(lagging)}
+    assert (found[CHAMPION].model_version, found[CHAMPION].warned) == (old.version, "no")
+    assert (found[SHADOW].model_version, found[SHADOW].warned) == (promoted.version, "30s")
+    # on the replica that promoted, the same OOM is credited the same way, roles swapped
+    first.on_event(Event(T0 + 140.0, "n1", "gpu0", "oom"), now=T0 + 140)
+    here = {o.role: o for o in decided(first)}
+    assert (here[CHAMPION].model_version, here[CHAMPION].warned) == (promoted.version, "30s")
+    assert (here[SHADOW].model_version, here[SHADOW].warned) == (old.version, "no")
+
+
+def test_a_cold_swap_ends_the_old_models_watch_and_judges_the_new_one_from_its_start() -> None:
+    """The 90% champion is alerting at 92% when the 95% model is swapped in cold: the OOM
+    that comes after the new model's first samples is the new model's (it missed it), and
+    the old model's standing alert is censored, not credited to the new one."""
+    st = with_shadow(ThresholdBaseline(0.8), champion=0.9)
+    feed(st, [(0, 0.5), (100, 0.92), (130, 0.0)])
+    decided(st)
+    new = ThresholdBaseline(0.95)
+    [champion, shadow] = st.scored
+    st.swap_champion(new, [], horizon_s=60, scored=[champion, shadow])
+    feed(st, [(130, 0.92), (140, 0.0)])
+    st.on_event(Event(T0 + 140.0, "n1", "gpu0", "oom"), now=T0 + 140)
+    [oom] = [o for o in decided(st) if o.role == CHAMPION]
+    assert (oom.model_version, oom.warned) == (new.version, "no")
+    feed(st, [(141, 0.5), (300, 0.0)])  # the old job's watch is decided once no OOM can come
+    [old] = [o for o in decided(st) if o.role == CHAMPION]
+    assert (old.outcome, old.model_version, old.alert_ts) == (
+        "censored",
+        ThresholdBaseline(0.9).version,
+        T0 + 100,
+    )

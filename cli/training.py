@@ -1,6 +1,6 @@
 """The subcommands that run ``oomcast.training`` (imported inside each command, so the
 service image, which has no torch, never loads it): ``dump``, ``simulate``, ``evaluate``,
-``train``, ``export``, ``card``."""
+``recalibrate``, ``train``, ``export``, ``card``."""
 
 from __future__ import annotations
 
@@ -171,6 +171,61 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     print(
         json.dumps(result, indent=None if args.json else 1) if args.json else format_table(result)
     )
+    return 0
+
+
+def cmd_recalibrate(args: argparse.Namespace) -> int:
+    from oomcast.model.runtime import ModelLoadError, OnnxForecaster
+    from oomcast.model.trace import find_traces
+
+    groups: dict[str, list[Path]] = {}
+    for given in args.traces:
+        path = Path(given)
+        if path.is_dir():
+            found = find_traces(path)
+            if args.split is not None:
+                found = _in_split(path, args.split, found)
+            if not found:
+                raise UsageError(f"--traces {given}: no traces (*.jsonl, *.jsonl.gz) in it"
+                                 + (f" of split {args.split}" if args.split else ""))  # fmt: skip
+        elif path.is_file():
+            found = [path]
+        else:
+            raise UsageError(f"--traces {given}: not a folder or file")
+        groups.setdefault(given, []).extend(found)
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        from oomcast.training.recalibrate import onnx_available
+
+        if out.exists():
+            raise UsageError(f"--out {out}: the file exists; give a new file name")
+        if not out.parent.is_dir():
+            raise UsageError(f"--out {out}: the folder {out.parent} does not exist")
+        if not onnx_available():
+            raise UsageError("--out needs the onnx package to write the model: pip install"
+                             " 'oomcast[train]'")  # fmt: skip
+    model = Path(args.model) if args.model else SHIPPED_MODEL
+    try:
+        OnnxForecaster(model)  # a model that will not load is named before any work
+    except ModelLoadError as exc:
+        raise UsageError(f"--model {model}: {exc}") from None
+    from oomcast.training.recalibrate import TooLittleEvidence, format_report, recalibrate
+
+    try:
+        result = recalibrate(model, groups, progress=not args.no_progress and not args.json)
+    except TooLittleEvidence as exc:
+        if args.json:
+            print(json.dumps({"refused": str(exc), "evidence": exc.evidence.to_dict()}))
+        print(f"{PROG} recalibrate: error: {exc}", file=sys.stderr)  # as main prints errors
+        return 3
+    if out is not None:
+        from oomcast.training.recalibrate import ModelWriteError, write_model
+
+        try:
+            result.written = str(write_model(model, out, result))
+        except (FileExistsError, ModelWriteError) as exc:
+            raise UsageError(f"--out {out}: {exc}") from None
+    print(json.dumps(result.to_dict()) if args.json else format_report(result))
     return 0
 
 
@@ -378,6 +433,36 @@ def add_parsers(sub: Any) -> None:
         " where a trace has a schedule (the nvml view never has them)",
     )
     e.set_defaults(func=cmd_evaluate)
+
+    r = sub.add_parser(
+        "recalibrate",
+        help="refit the alert rule and the calibration from the fleet's own outcomes, shown"
+        " beside the model's own",
+        description="Run a model over labelled traces of your fleet (oomcast dump --outcomes,"
+        " oomcast dump --node), refit its per-horizon calibration and its alert rule as"
+        " training fits them, and print both side by side. Nothing changes unless --out is"
+        " given: then a copy of the model carrying the refit is written, to be run as the"
+        " service's shadow (OOMCAST_SHADOW_MODEL_PATH) and promoted later. Exits 3, naming"
+        " the counts, when the traces hold too few OOMs, clean runs or job-hours.",
+    )
+    r.add_argument(
+        "--traces",
+        required=True,
+        action="extend",
+        nargs="+",
+        help="folders of traces and/or trace files (repeatable); each is a group whose"
+        " ordinary runs the rule holds to 2%% false alarms",
+    )
+    r.add_argument("--model", help=f"ONNX model to refit (default: {SHIPPED_MODEL})")
+    r.add_argument("--out", help="write the refit model here (a new file; default: write nothing)")
+    r.add_argument(
+        "--split",
+        choices=["train", "val", "test"],
+        help="of a folder whose manifest.json splits its runs (a corpus), only this split",
+    )
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    r.set_defaults(func=cmd_recalibrate)
 
     t = sub.add_parser(
         "train",

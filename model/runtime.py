@@ -7,6 +7,11 @@ per ``tick_s`` of trace time; a sample in between is forecast from the committed
 which it leaves as it was). A domain's embedding comes from the node when its schema
 version matches the model's, else it is computed here from the raw sample. Only this
 module of ``model/`` imports onnxruntime.
+
+A model may carry a fleet recalibration (``oomcast.recalibration``, written by ``oomcast
+recalibrate``): per horizon, a Platt correction ``(a, b)`` applied to the network's risk,
+``sigmoid(a * logit(risk) + b)``, then made non-decreasing across horizons. A risk the
+evidence gate shut (exactly 0) stays 0. A model without the entry is run as it always was.
 """
 
 from __future__ import annotations
@@ -34,10 +39,61 @@ from oomcast.model.schema import Sample
 
 log = logging.getLogger(__name__)
 DEFAULT_MODEL = Path(__file__).with_name("oomcast-lstm.onnx")
+# metadata: {"<horizon_s>": [a, b], ...}, one pair per horizon of the model
+RECALIBRATION_KEY = "oomcast.recalibration"
+_RISK_CLAMP = 1e-6  # as the network clamps a risk before its own calibration's logit
 
 
 class ModelLoadError(RuntimeError):
     pass
+
+
+def parse_recalibration(value: Any, horizons_s: Sequence[int]) -> dict[int, tuple[float, float]]:
+    """A recalibration table (``RECALIBRATION_KEY``'s JSON text, or the object it holds)
+    checked against the model's horizons: ``{horizon_s: (a, b)}`` with a pair of finite
+    numbers, ``a > 0``, for every horizon and no other key. ValueError naming what is wrong."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(value, Mapping):
+        raise ValueError("must be an object of horizon_s: [a, b]")
+    table: dict[int, tuple[float, float]] = {}
+    for key, pair in value.items():
+        try:
+            h = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"key {key!r} is not a horizon in seconds") from None
+        if h not in horizons_s:
+            raise ValueError(f"key {key!r}: the model's horizons are {list(horizons_s)}")
+        if h in table:
+            raise ValueError(f"horizon {h} given twice")
+        if (
+            not isinstance(pair, Sequence)
+            or isinstance(pair, str)
+            or len(pair) != 2
+            or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in pair)
+        ):
+            raise ValueError(f"{h}: {pair!r} is not a pair [a, b] of numbers")
+        a, b = float(pair[0]), float(pair[1])
+        if not (math.isfinite(a) and math.isfinite(b) and a > 0):
+            raise ValueError(f"{h}: [a, b] = {[a, b]} must be finite with a > 0")
+        table[h] = (a, b)
+    missing = [h for h in horizons_s if h not in table]
+    if missing:
+        raise ValueError(f"no [a, b] for horizons {missing}")
+    return table
+
+
+def recalibrated(risk: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``risk`` (..., H) through the per-horizon correction: sigmoid(a * logit(risk) + b),
+    the risk clamped first as the network clamps it, a gated risk (0) kept at 0, and the
+    result made non-decreasing across horizons. float32, as the network's."""
+    p = np.clip(risk.astype(np.float64), _RISK_CLAMP, 1.0 - _RISK_CLAMP)
+    z = a * (np.log(p) - np.log1p(-p)) + b
+    out = np.where(risk > 0.0, 1.0 / (1.0 + np.exp(-z)), 0.0)
+    return np.maximum.accumulate(out, axis=-1).astype(np.float32)
 
 
 @dataclass
@@ -102,6 +158,27 @@ class OnnxForecaster:
         self._horizons = np.asarray(self.horizons_s, dtype=np.float64)
         self._index = {h: i for i, h in enumerate(self.horizons_s)}
         self._n_features = len(json.loads(meta["oomcast.features"]))
+        self.recalibration: dict[int, tuple[float, float]] | None = None
+        self._recal: tuple[np.ndarray, np.ndarray] | None = None
+        if RECALIBRATION_KEY in meta:
+            try:
+                table = parse_recalibration(meta[RECALIBRATION_KEY], self.horizons_s)
+            except ValueError as exc:
+                raise ModelLoadError(f"{path}: malformed {RECALIBRATION_KEY} ({exc})") from None
+            self.set_recalibration(table)
+
+    def set_recalibration(self, table: Mapping[int, Sequence[float]] | None) -> None:
+        """Apply ``table`` (``{horizon_s: (a, b)}``, every horizon) after the network's
+        risk from now on, in place of any the file carried; None: the network's risk as it
+        is. ValueError on a malformed table (``oomcast recalibrate`` scores a refit with it
+        before it writes one)."""
+        if table is None:
+            self.recalibration, self._recal = None, None
+            return
+        checked = parse_recalibration({str(h): list(v) for h, v in table.items()}, self.horizons_s)
+        self.recalibration = checked
+        pairs = np.asarray([checked[h] for h in self.horizons_s], dtype=np.float64)
+        self._recal = (pairs[:, 0], pairs[:, 1])
 
     # -- state slots ----------------------------------------------------------------------
     def init_state(self) -> Slot:
@@ -206,6 +283,8 @@ class OnnxForecaster:
             h0, c0 = np.take(self._h, slot_rows, axis=1), np.take(self._c, slot_rows, axis=1)
         risk, tto, h, c = self.session.run(None, {"x": x[:, None, :], "h": h0, "c": c0})
         risk, tto = risk[:, 0, :], tto[:, 0]
+        if self._recal is not None:
+            risk = recalibrated(risk, *self._recal)
         ts = np.fromiter((s.ts for s in samples), np.float64, n)
         ticks = np.fromiter((st.tick_ts for st in states), np.float64, n)
         due = ts - ticks >= self._tick_min_s
@@ -256,6 +335,8 @@ class OnnxForecaster:
             _, _, h, c = self.session.run(None, {"x": x[committed][None], "h": h, "c": c})
         risk, tto, _, _ = self.session.run(None, {"x": x[-1:][None], "h": h, "c": c})
         risk = risk[:, -1, :]
+        if self._recal is not None:
+            risk = recalibrated(risk, *self._recal)
         return self._forecasts(risk, self._ttos(risk, tto[:, -1]), samples[-1:])[0]
 
     def _ttos(self, risk: np.ndarray, tto: np.ndarray) -> list[float | None]:

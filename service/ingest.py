@@ -44,6 +44,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from oomcast.model.forecast import embedding_version
+from oomcast.model.schema import Event
 from oomcast.model.text import as_str, compact_json
 from oomcast.model.wire import Keys
 from oomcast.service.cluster.leases import PartitionOwner, StaticPartitions
@@ -73,6 +74,10 @@ from oomcast.service.scorecard import OutcomeStore, added
 log = logging.getLogger(__name__)
 
 APPLY_CHUNK = 4096  # samples forecast between two yields to the event loop
+# (until, partition, entry id, fields, event): an event of a partition not ours, held
+Held = tuple[float, int, str, Any, Event]
+HOLD_S = 120.0  # how long events of another replica's partition are held (a takeover's span)
+MAX_HELD = 10_000
 EXPIRE_EVERY_S = 5.0
 
 
@@ -162,6 +167,9 @@ class Ingestor:
         self._outcomes: list[Outcome] = []
         # Keep requests for the samples of outcomes worth a trace (service/kept.py).
         self.keeper = keeper
+        # Events of other replicas' partitions, held a while (``_hold``).
+        self._held: list[Held] = []
+        self._replay_due: set[int] = set()  # taken partitions whose held events are due
         # Follows model swaps made on other replicas (service/model_swap.py); set by main.py.
         self.switch: Follower | None = None
         self._last_claim = 0.0
@@ -190,6 +198,10 @@ class Ingestor:
         if pending:
             task.cancel()
             await asyncio.wait([task], timeout=2.0)
+        try:  # snapshot every domain, so the next owner carries on from the last sample
+            await self.ownership.hand_over(list(self.partitions))
+        except Exception as exc:  # Redis gone: the next owner starts from older snapshots
+            log.warning("could not snapshot the domains on the way out (%s)", exc)
         try:  # hand the partitions over now, not when the leases lapse
             await self.ownership.owner.release_all()
         except Exception as exc:  # Redis gone: the leases lapse on their own
@@ -251,6 +263,7 @@ class Ingestor:
             stream = self.keys.samples(p)
             await self._create_group(stream, self.group, "0")
             claimed = await self._claim(stream, 0)  # the lease says their reader has stopped
+            self._replay_due.add(p)  # after its backlog (``_step``)
             log.info(
                 "partition %d is ours: %d domains restored, %d pending entries claimed",
                 p,
@@ -262,6 +275,38 @@ class Ingestor:
     async def _follow_swaps(self) -> None:
         if self.switch is not None:
             await self.switch.follow()
+
+    def _hold(self, others: list[tuple[int, str, Any, Event]]) -> None:
+        """Keep events of partitions not ours for HOLD_S (at most MAX_HELD): one whose
+        owner dies before reading it is replayed when the partition becomes ours."""
+        if not others:
+            return
+        until = time.monotonic() + HOLD_S
+        self._held.extend((until, p, entry_id, fields, ev) for p, entry_id, fields, ev in others)
+        if len(self._held) > MAX_HELD:
+            del self._held[: len(self._held) - MAX_HELD]
+
+    async def _replay_held(self, partition: int) -> None:
+        """The held events of ``partition``, just acquired and restored, processed now. An
+        OOM its snapshot already knows (the old owner read it: an OOM snapshots its domain
+        with the batch that took it) is not replayed: it would restart the domain's model."""
+        now = time.monotonic()
+        keep: list[Held] = []
+        mine: list[Held] = []
+        for held in self._held:
+            if held[0] >= now:
+                (mine if held[1] == partition else keep).append(held)
+        self._held = keep
+        entries = []
+        for _, _, entry_id, fields, ev in mine:
+            st = self.live.domains.get(ev.domain)
+            known = st is not None and st.last_oom_ts is not None and ev.ts <= st.last_oom_ts
+            if not (ev.event == "oom" and known):
+                entries.append((entry_id, fields))
+        if entries:
+            log.info("partition %d: %d events read before it was ours, replayed", partition,
+                     len(entries))  # fmt: skip
+            await self.process(self.keys.events, entries)
 
     async def _step(self) -> None:
         await self._follow_swaps()
@@ -301,6 +346,14 @@ class Ingestor:
         self.last_ok = time.monotonic()
         for stream, entries in [*(resp or []), *(events or [])]:
             await self.process(as_str(stream), entries)
+        if self._replay_due:
+            # once a taken partition's backlog of samples is read (a read that came back
+            # short), the events held for it: an OOM must not overtake its job's samples
+            behind = {as_str(s) for s, e in resp or [] if len(e) >= self.read_count}
+            for p in sorted(self._replay_due):
+                if self.keys.samples(p) not in behind:
+                    self._replay_due.discard(p)
+                    await self._replay_held(p)
 
     async def _ensure_groups(self) -> None:
         """The group of every partition's stream, held now or not (again after a Redis, or a
@@ -396,6 +449,7 @@ class Ingestor:
                 max_skew_s=self.max_skew_s,
                 key_for_node=self.key_for_node,
             )
+            self._hold(decoded.others)
             evaluated = self.evaluate_events(decoded)
         else:
             group = self.group

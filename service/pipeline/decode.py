@@ -64,6 +64,10 @@ class Decoded:
     event_ids: list[str] = field(default_factory=list)  # each event's entry id
     events_attested: list[bool] = field(default_factory=list)  # signed by the node it names
     deadletters: list[DeadLetter] = field(default_factory=list)
+    # Events of nodes in partitions this replica does not own: (partition, entry id, fields,
+    # event). Ingest holds them a while: if the partition becomes ours (its owner died), an
+    # OOM its owner never read is still scored.
+    others: list[tuple[int, str, Fields, Event]] = field(default_factory=list)
 
 
 # Why a sample or entry was dead-lettered: the ``code`` of its dead letter and the
@@ -267,10 +271,13 @@ def decode_event_entries(
             continue
         if event.event == "oom" and event.ts > arrived:
             event = replace(event, ts=arrived)
-        if keys.partition_of(event.node) in partitions:  # else another replica's node
+        p = keys.partition_of(event.node)
+        if p in partitions:
             out.events.append((event, fields))
             out.event_ids.append(as_str(entry_id))
             out.events_attested.append(_event_signed(fields, event.node, key_for_node))
+        else:  # another replica's node, for now
+            out.others.append((p, as_str(entry_id), fields, event))
     return out
 
 

@@ -133,24 +133,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from oomcast.model.baselines import baseline_detectors
-    from oomcast.model.trace import find_traces
     from oomcast.training.evaluate import evaluate, format_table
 
-    paths: list[Path] = []
-    for given in args.traces:
-        path = Path(given)
-        if path.is_dir():
-            found = find_traces(path)
-            if args.split is not None:
-                found = _in_split(path, args.split, found)
-            if not found:
-                raise UsageError(f"--traces {given}: no traces (*.jsonl, *.jsonl.gz) in it"
-                                 + (f" of split {args.split}" if args.split else ""))  # fmt: skip
-            paths += found
-        elif path.is_file():
-            paths.append(path)
-        else:
-            raise UsageError(f"--traces {given}: not a folder or file")
+    paths = [p for found in _trace_groups(args.traces, args.split).values() for p in found]
     detectors = list(baseline_detectors())
     model = _model_detector(args.model)
     if model is not None:
@@ -174,25 +159,33 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_recalibrate(args: argparse.Namespace) -> int:
-    from oomcast.model.runtime import ModelLoadError, OnnxForecaster
+def _trace_groups(given: list[str], split: str | None) -> dict[str, list[Path]]:
+    """Each ``--traces`` argument's traces (a folder's, of ``split`` if given, or a file);
+    UsageError naming an argument that holds none."""
     from oomcast.model.trace import find_traces
 
     groups: dict[str, list[Path]] = {}
-    for given in args.traces:
-        path = Path(given)
+    for name in given:
+        path = Path(name)
         if path.is_dir():
             found = find_traces(path)
-            if args.split is not None:
-                found = _in_split(path, args.split, found)
+            if split is not None:
+                found = _in_split(path, split, found)
             if not found:
-                raise UsageError(f"--traces {given}: no traces (*.jsonl, *.jsonl.gz) in it"
-                                 + (f" of split {args.split}" if args.split else ""))  # fmt: skip
+                raise UsageError(f"--traces {name}: no traces (*.jsonl, *.jsonl.gz) in it"
+                                 + (f" of split {split}" if split else ""))  # fmt: skip
         elif path.is_file():
             found = [path]
         else:
-            raise UsageError(f"--traces {given}: not a folder or file")
-        groups.setdefault(given, []).extend(found)
+            raise UsageError(f"--traces {name}: not a folder or file")
+        groups.setdefault(name, []).extend(found)
+    return groups
+
+
+def cmd_recalibrate(args: argparse.Namespace) -> int:
+    from oomcast.model.runtime import ModelLoadError, OnnxForecaster
+
+    groups = _trace_groups(args.traces, args.split)
     out = Path(args.out) if args.out else None
     if out is not None:
         from oomcast.training.recalibrate import onnx_available

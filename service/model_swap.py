@@ -51,7 +51,7 @@ from oomcast.model.wire import answer_async
 from oomcast.service.delivery.outbox import ForgedItem, seal, unseal
 from oomcast.service.pipeline import forecaster
 from oomcast.service.pipeline.outcomes import SHADOW
-from oomcast.service.pipeline.rulefile import RuleSpec, load_rules, rules_from
+from oomcast.service.pipeline.rulefile import RuleSpec, rules_from
 from oomcast.service.pipeline.rules import AlertPolicy, Rule
 
 if TYPE_CHECKING:
@@ -194,7 +194,7 @@ class ModelSwitch:
         shadow: Detector | None,
         shadow_source: str | None,
         seal_keys: tuple[str, ...],
-        rule_specs: Sequence[RuleSpec] | None = None,
+        rule_specs: Sequence[RuleSpec],
     ) -> None:
         self.ctx = ctx
         self.source = source
@@ -204,7 +204,7 @@ class ModelSwitch:
         self.seal_keys = seal_keys
         # The rules file as read at start-up: a swap rebuilds the rules from it with the new
         # model's bars, and does not pick up edits made to the file since (no audit of those)
-        self.rule_specs = list(rule_specs) if rule_specs is not None else None
+        self.rule_specs = list(rule_specs)
         self.configured = ctx.detector.forecaster.version  # what this replica started with
         self.configured_sha256 = self.sha256  # of the file it was started with
         self.seen: str | None = None  # the record (its sealed body's digest) acted on last
@@ -489,12 +489,7 @@ class ModelSwitch:
         model's own validated rule unless the operator set one (as at start-up)."""
         choice = forecaster.Choice(cand.detector, cand.kind, f"swapped in: {cand.source}", "")
         policy = forecaster.alert_policy(self.ctx.settings, choice)
-        if self.rule_specs is not None:
-            return rules_from(self.rule_specs, policy), policy
-        try:
-            return load_rules(self.ctx.settings.rules_path(), policy), policy
-        except Exception as exc:
-            raise SwapError(f"the rules file does not load: {exc}") from None
+        return rules_from(self.rule_specs, policy), policy
 
     async def _write(self, record: dict[str, Any], propagated: bool) -> str | None:
         """The audit entry, and (when sealed) the record replicas follow, written with a

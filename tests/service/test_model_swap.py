@@ -52,6 +52,17 @@ def seen(c: TestClient, device: str = "gpu0") -> int:
     return int(r.json()["samples_seen"]) if r.status_code == 200 else 0
 
 
+def two_ooms_scored(c: TestClient, start: float) -> dict[str, dict[str, Any]]:
+    """The scorecard's models by role, once both have scored the OOM."""
+
+    def models() -> dict[str, dict[str, Any]]:
+        r = c.get("/v1/scorecard", params={"since": str(start - 10)}, headers=AUTH)
+        return {m["role"]: m for m in r.json()["models"]}
+
+    assert wait_until(lambda: sum(m.get("ooms", 0) for m in models().values()) == 2)
+    return models()
+
+
 def audit(rclient: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
     return [json.loads(f[b"alert"]) for _, f in rclient.xrange(keys.alerts)]
 
@@ -124,12 +135,7 @@ def test_promoting_the_shadow_swaps_models_and_their_states_and_loses_no_sample(
         rclient.xadd(keys.events, {"event": json.dumps(
             {"ts": start + 200, "node": "n1", "device": "gpu0", "event": "oom"})})  # fmt: skip
 
-        def models() -> dict[str, dict[str, Any]]:
-            r = c.get("/v1/scorecard", params={"since": str(start - 10)}, headers=AUTH)
-            return {m["role"]: m for m in r.json()["models"]}
-
-        assert wait_until(lambda: sum(m.get("ooms", 0) for m in models().values()) == 2)
-        found = models()
+        found = two_ooms_scored(c, start)
         # the 90% model warned 100 s ahead (its episode began before it was promoted)
         assert found[CHAMPION]["model_version"] == "baseline/threshold_0.90"
         assert (found[CHAMPION]["warned_30s"], found[CHAMPION]["missed_30s"]) == (1, 0)
@@ -314,12 +320,7 @@ def test_an_oom_right_after_a_promotion_is_credited_to_the_model_that_warned(
         rclient.xadd(keys.events, {"event": json.dumps(
             {"ts": start + 160, "node": "n1", "device": "gpu0", "event": "oom"})})  # fmt: skip
 
-        def models() -> dict[str, dict[str, Any]]:
-            r = c.get("/v1/scorecard", params={"since": str(start - 10)}, headers=AUTH)
-            return {m["role"]: m for m in r.json()["models"]}
-
-        assert wait_until(lambda: sum(m.get("ooms", 0) for m in models().values()) == 2)
-        found = models()
+        found = two_ooms_scored(c, start)
         assert found[CHAMPION]["model_version"] == "baseline/threshold_0.90"
         assert (found[CHAMPION]["warned_30s"], found[CHAMPION]["missed_30s"]) == (1, 0)
         assert found[SHADOW]["model_version"] == "baseline/threshold_0.95"

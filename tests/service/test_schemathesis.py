@@ -101,18 +101,25 @@ def map_case(context: schemathesis.HookContext, case: Any) -> Any:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def live_app(redis_url: str) -> Iterator[None]:
-    """Starts the app's lifespan in schemathesis's event loop (the one its requests use) and
-    waits until it is ready: a /readyz 503 while ingest starts up would be a true answer
-    that the "no server errors" check still counts."""
-    with st_asgi.get_client(cast(Any, APP)) as http:
-        assert wait_until(lambda: http.get("/readyz").status_code == 200), "app never ready"
+def private_keys(redis_url: str) -> Iterator[None]:
+    """Removes what the app wrote under its private key prefix once the module is done."""
     yield
     st_asgi.shutdown_lifespans()  # the ingest loop stops, Redis is closed
     client = redis.Redis.from_url(redis_url)
     keys = list(client.scan_iter(match=f"{PREFIX}:*", count=1000))
     if keys:
         client.delete(*keys)
+
+
+@pytest.fixture(autouse=True)
+def live_app() -> None:
+    """Starts the app's lifespan in schemathesis's event loop (the one its requests use) and
+    waits until it is ready: a /readyz 503 while ingest starts up would be a true answer
+    that the "no server errors" check still counts. Per test, because schemathesis's pytest
+    plugin ends every ASGI lifespan when a test ends, and the next request starts a new one
+    whose ingest is not ready yet."""
+    with st_asgi.get_client(cast(Any, APP)) as http:
+        assert wait_until(lambda: http.get("/readyz").status_code == 200), "app never ready"
 
 
 @pytest.mark.slow  # about 20 s for all operations on two cores

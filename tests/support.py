@@ -179,6 +179,26 @@ def oomcast_cmd(*args: str) -> list[str]:
     return oomcast_argv(*args)
 
 
+# ``python -c PEAK_RSS_OF CMD...`` runs CMD and prints ``MAXRSS_KB <n>`` on stderr: the
+# child's own peak RSS. Measured from a fresh small interpreter because Linux carries
+# ``ru_maxrss`` across fork and exec: a child of pytest itself would report at least the RSS
+# pytest had when it forked (over 1 GB late in a full run), and RUSAGE_CHILDREN in pytest is
+# the largest of every child any earlier test waited for.
+PEAK_RSS_OF = (
+    "import resource, subprocess, sys\n"
+    "r = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+    "print(r.stdout, end='')\n"
+    "print(r.stderr, end='', file=sys.stderr)\n"
+    "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
+    "sys.exit(r.returncode)\n"
+)
+
+
+def peak_rss_bytes(stderr: str) -> int:
+    """The child's peak RSS that ``PEAK_RSS_OF`` printed last on stderr."""
+    return int(stderr.rsplit("MAXRSS_KB", 1)[1].split()[0]) * 1024
+
+
 def start_serve(env: dict[str, str], port: int) -> subprocess.Popen[bytes]:
     """`oomcast serve` as a real process on ``port``, returned once ``/readyz`` says 200."""
     import httpx

@@ -6,12 +6,13 @@ import json
 import os
 import resource
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from preflight_jobs import lm_job
-from support import oomcast_cmd
+from support import PEAK_RSS_OF, oomcast_cmd, peak_rss_bytes
 
 from oomcast.preflight import preflight
 
@@ -43,16 +44,21 @@ def test_a_transformer_larger_than_ram_is_checked_in_under_a_minute() -> None:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
     out = subprocess.run(
-        oomcast_cmd(
-            "preflight",
-            "--gpu",
-            "H200",
-            "--steps",
-            "2",
-            "--json",
-            "--entry",
-            "preflight_jobs:big_lm",
-        ),
+        [
+            sys.executable,
+            "-c",
+            PEAK_RSS_OF,
+            *oomcast_cmd(
+                "preflight",
+                "--gpu",
+                "H200",
+                "--steps",
+                "2",
+                "--json",
+                "--entry",
+                "preflight_jobs:big_lm",
+            ),
+        ],
         capture_output=True,
         text=True,
         timeout=110,
@@ -61,7 +67,7 @@ def test_a_transformer_larger_than_ram_is_checked_in_under_a_minute() -> None:
     elapsed = time.monotonic() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    rss = after.ru_maxrss * 1024  # KiB on Linux: the largest child so far, this one
+    rss = peak_rss_bytes(out.stderr)
     assert out.returncode in (0, 1), out.stderr
     obj = json.loads(out.stdout)
     params = obj["phases"][0]["peak_allocated_bytes"]  # step -1: weights alone

@@ -37,10 +37,13 @@ def test_every_cause_runs_in_a_program(cause: str) -> None:
 
 
 def _peak_rss_kib(*argv: str) -> int:
+    """The program's own peak RSS: VmHWM of its address space. Not ``ru_maxrss``, which
+    Linux carries across fork and exec: a child of this pytest process would report at
+    least the RSS pytest had when it forked (over 1 GB late in a full run)."""
     code = (
-        "import resource, runpy, sys; sys.argv = ['programs', *sys.argv[1:]];"
+        "import re, sys; sys.argv = ['programs', *sys.argv[1:]];"
         "from oomcast.training.programs import main; main(sys.argv[1:]);"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        "print(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1))"
     )
     done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
                           timeout=120, check=True)  # fmt: skip

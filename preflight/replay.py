@@ -33,6 +33,12 @@ class OomAt:
     reserved_bytes: int
     allocated_bytes: int
 
+    @property
+    def fragmented(self) -> bool:
+        """The cache held at least the request's bytes free, but not in one block: the
+        memory was there, in pieces (fragmentation), not taken by live tensors."""
+        return self.reserved_bytes - self.allocated_bytes >= self.requested_bytes
+
 
 @dataclass
 class Replay:
@@ -40,7 +46,9 @@ class Replay:
     phases: list[PhasePeak] = field(default_factory=list)
     peak_allocated_bytes: int = 0
     peak_reserved_bytes: int = 0
-    fragmentation: float = 0.0  # (reserved - allocated) / reserved when reserved peaked
+    # (reserved - allocated) / reserved when reserved peaked: cache that earlier phases freed
+    # and the allocator kept for reuse (normal), not fragmentation (``OomAt.fragmented``)
+    cached_free_frac: float = 0.0
     oom: OomAt | None = None
     # one point per op: (allocated, reserved, index into ``phases``)
     timeline: list[tuple[int, int, int]] = field(default_factory=list)
@@ -125,7 +133,7 @@ class Replayer:
         peak.peak_reserved_bytes = max(peak.peak_reserved_bytes, st.reserved_bytes)
         if st.reserved_bytes > res.peak_reserved_bytes:
             res.peak_reserved_bytes = st.reserved_bytes
-            res.fragmentation = (st.reserved_bytes - st.allocated_bytes) / st.reserved_bytes
+            res.cached_free_frac = (st.reserved_bytes - st.allocated_bytes) / st.reserved_bytes
         res.peak_allocated_bytes = max(res.peak_allocated_bytes, st.allocated_bytes)
         res.timeline.append((st.allocated_bytes, st.reserved_bytes, i))
         return True

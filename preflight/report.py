@@ -40,7 +40,7 @@ class PreflightReport:
         module = f" in {oom.module}" if oom.module else ""
         cached = oom.reserved_bytes - oom.allocated_bytes
         live = oom.allocated_bytes / self.capacity_bytes if self.capacity_bytes else 0.0
-        if cached >= oom.requested_bytes:
+        if oom.fragmented:
             why = (
                 f"; the cache held {format_size(cached)} free, but in pieces too small for it:"
                 " fragmentation (expandable_segments:True lets segments grow instead)"
@@ -77,7 +77,7 @@ class PreflightReport:
             "peak_allocated_bytes": r.peak_allocated_bytes,
             "peak_reserved_bytes": r.peak_reserved_bytes,
             "headroom_bytes": r.headroom_bytes,
-            "fragmentation": round(r.fragmentation, 4),
+            "cached_free_frac": round(r.cached_free_frac, 4),
             "verdict": {
                 "fits": oom is None,
                 "phase": None if oom is None else oom.phase,
@@ -85,6 +85,7 @@ class PreflightReport:
                 "requested_bytes": None if oom is None else oom.requested_bytes,
                 "reserved_bytes": None if oom is None else oom.reserved_bytes,
                 "allocated_bytes": None if oom is None else oom.allocated_bytes,
+                "fragmented": None if oom is None else oom.fragmented,
             },
             "remedies": [m.to_json() for m in self.remedies],
             "notes": list(self.notes),
@@ -110,7 +111,7 @@ class PreflightReport:
             "",
             f"peak allocated {format_size(r.peak_allocated_bytes)}, peak reserved"
             f" {format_size(r.peak_reserved_bytes)}, headroom {sign}"
-            f"{format_size(abs(r.headroom_bytes))}; when reserved peaked, {r.fragmentation:.1%}"
+            f"{format_size(abs(r.headroom_bytes))}; when reserved peaked, {r.cached_free_frac:.1%}"
             " of it was cache freed by earlier phases and kept for reuse (not fragmentation"
             " unless a request fails for want of one block: the verdict says)",
             f"verdict: {self.verdict_text()}",

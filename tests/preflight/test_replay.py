@@ -72,8 +72,8 @@ def test_expandable_segments_lower_reserved_on_a_fragmenting_pattern() -> None:
     assert tight.fits and tight.peak_reserved_bytes <= 200 * MIB
 
 
-def test_fragmentation_at_the_peak_is_the_unused_share_of_reserved() -> None:
+def test_cached_free_share_at_the_peak_is_the_unused_share_of_reserved() -> None:
     rep = replay(_growing_requests([22, 44, 66, 88, 110]), 10 * GIB)
     # peak reserved 330 MiB is reached when the 110 MiB block is live
-    assert abs(rep.fragmentation - (330 - 110) / 330) < 1e-9
+    assert abs(rep.cached_free_frac - (330 - 110) / 330) < 1e-9
     assert rep.timeline[-1][1] == 330 * MIB

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import oomcast_cmd
+from support import PEAK_RSS_OF, oomcast_cmd, peak_rss_bytes
 
 from oomcast.bench.preflight.scripts_gpu import SCRIPTS as EXAMPLES
 from oomcast.cli.main import main
@@ -231,15 +231,6 @@ BIG = textwrap.dedent(
     """
 )
 
-RSS_OF = (
-    "import resource, subprocess, sys\n"
-    "r = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
-    "print(r.stdout, end='')\n"
-    "print(r.stderr, end='', file=sys.stderr)\n"
-    "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
-    "sys.exit(r.returncode)\n"
-)
-
 
 @pytest.mark.slow  # a fresh interpreter with torch
 def test_an_11b_parameter_plain_script_takes_no_real_memory(tmp_path: Path) -> None:
@@ -250,7 +241,7 @@ def test_an_11b_parameter_plain_script_takes_no_real_memory(tmp_path: Path) -> N
         [
             sys.executable,
             "-c",
-            RSS_OF,
+            PEAK_RSS_OF,
             *oomcast_cmd("preflight", "--gpu", "H100-80GB", "--json", "--", "python", str(script)),
         ],
         capture_output=True,
@@ -263,8 +254,8 @@ def test_an_11b_parameter_plain_script_takes_no_real_memory(tmp_path: Path) -> N
     params = [p for p in obj["phases"] if p["step"] == -1]
     assert params and params[0]["peak_allocated_bytes"] > 45e9  # fp32 weights
     assert obj["verdict"]["fits"] is False
-    rss_kb = int(out.stderr.rsplit("MAXRSS_KB", 1)[1])
-    assert rss_kb < 2 * 1024 * 1024, f"{rss_kb / 1024:.0f} MiB"
+    rss = peak_rss_bytes(out.stderr)
+    assert rss < 2 << 30, f"{rss / 2**20:.0f} MiB"
 
 
 @pytest.mark.slow  # imports transformers
@@ -298,6 +289,51 @@ def test_an_unmodified_lightning_script(tmp_path: Path) -> None:
     assert "it had run the steps, an eval and a checkpoint" in report.notes[0], report.notes
     assert not list(root.rglob("*.ckpt"))
     assert report.fits and report.batch_size == 32
+
+
+def _peaks(tmp_path: Path, example: str, *extra: str) -> dict[tuple[int, str], float]:
+    """Preflight an example script with extra arguments: peak allocated MiB per (step, phase)."""
+    run = tmp_path / "-".join(("run", *extra)).replace(" ", "")
+    run.mkdir()
+    script = _script(run, (EXAMPLES / example).read_text())
+    report = preflight_script(str(script), [str(run / "out"), *extra], gpu="T4", steps=3)
+    assert report.steps == 3, report.notes
+    return {(p.step, p.phase): p.peak_allocated_bytes / 2**20 for p in report.replay.phases}
+
+
+@pytest.mark.slow  # four fake runs of a Trainer, about 30 s
+def test_the_hugging_face_trainer_s_own_settings_shape_the_report(tmp_path: Path) -> None:
+    """TrainingArguments as the script sets them: gradient checkpointing keeps far fewer
+    activations, bf16 (autocast) makes them smaller, and gradient accumulation holds the
+    first micro-batch's gradients through the second one's forward and backward."""
+    pytest.importorskip("transformers")
+    plain = _peaks(tmp_path, "hf_trainer.py")
+    ckpt = _peaks(tmp_path, "hf_trainer.py", "--grad-ckpt")
+    bf16 = _peaks(tmp_path, "hf_trainer.py", "--bf16")
+    accum = _peaks(tmp_path, "hf_trainer.py", "--grad-accum", "2")
+    assert ckpt[(1, "forward")] < 0.5 * plain[(1, "forward")], (ckpt, plain)
+    assert bf16[(1, "forward")] < 0.95 * plain[(1, "forward")], (bf16, plain)
+    assert accum[(0, "forward")] > plain[(0, "forward")] + 10, (accum, plain)
+    # the Trainer's default optimizer is fused AdamW: its state appears at step 0, and
+    # later steps allocate nothing (a single kernel), so they have no optimizer row
+    assert (0, "optimizer") in plain and (1, "optimizer") not in plain
+
+
+@pytest.mark.slow  # three fake runs of a Lightning fit, about 15 s
+def test_the_lightning_trainer_s_own_settings_shape_the_report(tmp_path: Path) -> None:
+    """precision and accumulate_grad_batches as the script sets them. bf16-mixed makes a
+    bf16 copy of each weight in the forward (this MLP's weights outweigh its activations,
+    so its forward grows); accumulating two batches holds the gradients of the first
+    through the second one's forward."""
+    pytest.importorskip("pytorch_lightning")
+    plain = _peaks(tmp_path, "lightning_mlp.py")
+    mixed = _peaks(tmp_path, "lightning_mlp.py", "--precision", "bf16-mixed")
+    accum = _peaks(tmp_path, "lightning_mlp.py", "--accumulate", "2")
+    weights_mib = (512 * 4096 + 4096 * 4096 + 4096 * 10 + 4096 + 4096 + 10) * 4 / 2**20
+    extra = mixed[(0, "forward")] - plain[(0, "forward")]
+    assert 0.3 * weights_mib < extra < 0.7 * weights_mib, (extra, weights_mib)
+    held = accum[(0, "forward")] - plain[(0, "forward")]
+    assert 0.9 * weights_mib < held < 1.1 * weights_mib, (held, weights_mib)
 
 
 def test_moves_to_and_from_the_gpu_are_what_the_gpu_holds() -> None:

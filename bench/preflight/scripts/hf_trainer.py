@@ -2,6 +2,7 @@
 
 Its eval and save come every 50 steps; preflight asks the Trainer for both after its 3rd
 step. Usage: python hf_trainer.py OUTPUT_DIR [--batch-size N] [--max-steps N]
+[--grad-accum N] [--bf16] [--grad-ckpt]
 """
 
 import argparse
@@ -14,6 +15,9 @@ p.add_argument("output_dir")
 p.add_argument("--batch-size", type=int, default=16)
 p.add_argument("--max-steps", type=int, default=-1)
 p.add_argument("--eval-steps", type=int, default=50)
+p.add_argument("--grad-accum", type=int, default=1)
+p.add_argument("--bf16", action="store_true")
+p.add_argument("--grad-ckpt", action="store_true")
 cli = p.parse_args()
 
 cfg = BertConfig(
@@ -43,6 +47,9 @@ args = TrainingArguments(
     output_dir=cli.output_dir,
     per_device_train_batch_size=cli.batch_size,
     per_device_eval_batch_size=2 * cli.batch_size,
+    gradient_accumulation_steps=cli.grad_accum,
+    bf16=cli.bf16,
+    gradient_checkpointing=cli.grad_ckpt,
     num_train_epochs=3,
     max_steps=cli.max_steps,
     eval_strategy="steps",

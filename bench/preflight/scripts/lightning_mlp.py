@@ -1,6 +1,7 @@
 """An unmodified Lightning script: an MLP, Adam, a validation loop, the default checkpoint.
 
-Usage: python lightning_mlp.py ROOT_DIR [--batch-size N] [--max-steps N]
+Usage: python lightning_mlp.py ROOT_DIR [--batch-size N] [--max-steps N] [--precision P]
+[--accumulate N]
 """
 
 import argparse
@@ -15,6 +16,8 @@ p = argparse.ArgumentParser()
 p.add_argument("root_dir")
 p.add_argument("--batch-size", type=int, default=32)
 p.add_argument("--max-steps", type=int, default=-1)
+p.add_argument("--precision", default="32-true")
+p.add_argument("--accumulate", type=int, default=1)
 cli = p.parse_args()
 
 
@@ -45,6 +48,8 @@ trainer = pl.Trainer(
     max_steps=cli.max_steps,
     accelerator="auto",
     devices=1,
+    precision=cli.precision,
+    accumulate_grad_batches=cli.accumulate,
     default_root_dir=cli.root_dir,
     enable_progress_bar=False,
     logger=False,

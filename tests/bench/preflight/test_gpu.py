@@ -20,7 +20,7 @@ from oomcast.bench.preflight.gpu import FIGURES, LIMITS, compare, predict
 from oomcast.bench.preflight.zoo import zoo_row
 from oomcast.preflight.capture import capture_job
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "preflight-gpu.json"
+FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "preflight-gpu.json"
 
 
 @pytest.fixture(autouse=True)

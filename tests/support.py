@@ -179,14 +179,15 @@ def oomcast_cmd(*args: str) -> list[str]:
     return oomcast_argv(*args)
 
 
-# ``python -c PEAK_RSS_OF CMD...`` runs CMD and prints ``MAXRSS_KB <n>`` on stderr: the
-# child's own peak RSS. Measured from a fresh small interpreter because Linux carries
+# ``python -c PEAK_RSS_OF TIMEOUT_S CMD...`` runs CMD (killed after TIMEOUT_S: give the
+# outer run a longer timeout, so CMD never outlives the test) and prints ``MAXRSS_KB <n>``
+# on stderr: the child's own peak RSS. Measured from a fresh small interpreter because Linux carries
 # ``ru_maxrss`` across fork and exec: a child of pytest itself would report at least the RSS
-# pytest had when it forked (over 1 GB late in a full run), and RUSAGE_CHILDREN in pytest is
+# pytest had reached when it forked (over 1 GB late in a full run), and RUSAGE_CHILDREN in pytest is
 # the largest of every child any earlier test waited for.
 PEAK_RSS_OF = (
     "import resource, subprocess, sys\n"
-    "r = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+    "r = subprocess.run(sys.argv[2:], capture_output=True, text=True, timeout=float(sys.argv[1]))\n"
     "print(r.stdout, end='')\n"
     "print(r.stderr, end='', file=sys.stderr)\n"
     "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"

@@ -242,6 +242,7 @@ def test_an_11b_parameter_plain_script_takes_no_real_memory(tmp_path: Path) -> N
             sys.executable,
             "-c",
             PEAK_RSS_OF,
+            "280",  # the wrapper kills preflight then; the run below gives up at 300
             *oomcast_cmd("preflight", "--gpu", "H100-80GB", "--json", "--", "python", str(script)),
         ],
         capture_output=True,
@@ -314,9 +315,13 @@ def test_the_hugging_face_trainer_s_own_settings_shape_the_report(tmp_path: Path
     assert ckpt[(1, "forward")] < 0.5 * plain[(1, "forward")], (ckpt, plain)
     assert bf16[(1, "forward")] < 0.95 * plain[(1, "forward")], (bf16, plain)
     assert accum[(0, "forward")] > plain[(0, "forward")] + 10, (accum, plain)
-    # the Trainer's default optimizer is fused AdamW: its state appears at step 0, and
-    # later steps allocate nothing (a single kernel), so they have no optimizer row
-    assert (0, "optimizer") in plain and (1, "optimizer") not in plain
+    # the optimizer's state appears at step 0; transformers' default with torch >= 2.8 is
+    # fused AdamW, whose later steps allocate nothing (one kernel, no optimizer row), where
+    # the foreach AdamW of older installs allocates its temporaries every step
+    from transformers import TrainingArguments
+
+    fused = "fused" in str(TrainingArguments(str(tmp_path / "x"), report_to=[]).optim).lower()
+    assert (0, "optimizer") in plain and ((1, "optimizer") in plain) is not fused, plain
 
 
 @pytest.mark.slow  # three fake runs of a Lightning fit, about 15 s

@@ -7,11 +7,13 @@ A run is scored by what happened to it, and what the detector did:
   ahead and 95% 10 s ahead.
 - ``oom_short``: it OOMed sooner (no room for evidence plus 30 s of lead): judged at 10 s,
   reported, not gated.
-- ``oom_sudden``: it OOMed from one step with no growth before it (a neighbour arriving,
-  the first evaluation, checkpoint or optimizer step: ``SUDDEN_CAUSES``, as the trace's
-  manifest names its cause). The recall goals are for growth OOMs; these are met by
-  phase-aware forecasts, ``oomcast preflight`` and ``POST /v1/admit``, and are reported
-  apart, at 30 s and 10 s.
+- ``oom_sudden``: it OOMed from one of its own steps with no growth before it (the first
+  evaluation, checkpoint or optimizer step: ``STEP_CAUSES``, as the trace's manifest names
+  its cause). The recall goals are for growth OOMs; these are met by phase-aware forecasts
+  and ``oomcast preflight``, and are reported apart, at 30 s and 10 s, together.
+- ``oom_neighbour``: another process arrived on the device and took the memory
+  (``NEIGHBOUR_CAUSES``). Nothing in the job's own stream foretells it; ``POST /v1/admit``
+  is the way to see it coming. Reported apart from the job's own steps, at 30 s and 10 s.
 - ``censored``: it never OOMed, and the detector's first alert came in its last 60 s (it
   exited normally, or the recording stopped, while the alert stood): its future is unknown,
   so the alert is neither a hit nor a false alarm. When such runs are more than 10% of the
@@ -30,10 +32,14 @@ from typing import Any
 # causes whose OOM comes from one step: the simulator's families and the corpora's causes
 SUDDEN_CAUSES = ("eval_no_grad", "optimizer_state", "checkpoint_spike", "neighbour",
                  "step_scale", "step_up", "eval_spike", "checkpoint")  # fmt: skip
+# of those, another process arriving on the device; the others are the job's own steps
+NEIGHBOUR_CAUSES = ("neighbour",)
+STEP_CAUSES = tuple(c for c in SUDDEN_CAUSES if c not in NEIGHBOUR_CAUSES)
+OOM_CLASSES = ("oom_long", "oom_short", "oom_sudden", "oom_neighbour")
 LONG_AFTER_S = 60.0
 CENSOR_S = 60.0
 NEAR_LEVEL = 0.9
-CLASSES = ("oom_long", "oom_short", "oom_sudden", "near_miss", "ordinary", "censored")
+CLASSES = (*OOM_CLASSES, "near_miss", "ordinary", "censored")
 GOALS = {
     "oom_long_recall_30": 0.90,
     "oom_long_recall_10": 0.95,
@@ -55,6 +61,8 @@ def run_class(
     alert (None: none; on an OOM run, only alerts before the OOM count); ``cause`` as the
     run's manifest names it (None: unknown, scored as growth)."""
     if oom_after_s is not None:
+        if cause in NEIGHBOUR_CAUSES:
+            return "oom_neighbour"
         if cause in SUDDEN_CAUSES:
             return "oom_sudden"
         return "oom_long" if oom_after_s >= LONG_AFTER_S else "oom_short"
@@ -68,7 +76,7 @@ class ClassScore:
     """One detector's runs, by class."""
 
     leads: dict[str, list[float | None]] = field(
-        default_factory=lambda: {"oom_long": [], "oom_short": [], "oom_sudden": []}
+        default_factory=lambda: {c: [] for c in OOM_CLASSES}
     )  # lead per OOM run; None: not warned before the OOM
     near: list[bool] = field(default_factory=list)  # warned, per near miss
     ordinary: list[bool] = field(default_factory=list)  # false alarm, per ordinary run
@@ -98,7 +106,9 @@ class ClassScore:
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for cls, at in (("oom_long", (30, 10)), ("oom_short", (10,)), ("oom_sudden", (30, 10))):
+        judged_at = {"oom_long": (30, 10), "oom_short": (10,), "oom_sudden": (30, 10),
+                     "oom_neighbour": (30, 10)}  # fmt: skip
+        for cls, at in judged_at.items():
             leads = self.leads[cls]
             known = [x for x in leads if x is not None]
             entry: dict[str, Any] = {"n": len(leads)}
@@ -166,8 +176,9 @@ def format_classes(name: str, s: dict[str, Any]) -> list[str]:
         f" ({pct(lo['recall_30s'])}),"
         f" {lo['warned_10s']}/{lo['n']} 10 s ({pct(lo['recall_10s'])}), median lead"
         f" {lo['median_lead_s'] if lo['median_lead_s'] is not None else '-'} s;"
-        f" short OOMs {sh['warned_10s']}/{sh['n']} at 10 s; sudden OOMs"
-        f" {s['oom_sudden']['warned_30s']}/{s['oom_sudden']['n']} at 30 s",
+        f" short OOMs {sh['warned_10s']}/{sh['n']} at 10 s; sudden OOMs (own steps)"
+        f" {s['oom_sudden']['warned_30s']}/{s['oom_sudden']['n']} at 30 s; neighbours arriving"
+        f" {s['oom_neighbour']['warned_30s']}/{s['oom_neighbour']['n']} at 30 s",
         f"  near misses warned {nm['warned']}/{nm['n']} ({pct(nm['warned_share'])});"
         f" ordinary runs with a false alarm {od['false_alarms']}/{od['n']}"
         f" ({pct(od['false_alarm_rate'])}), {od['false_alarms_per_hour'] or 0:g} per hour over"

@@ -50,7 +50,7 @@ from oomcast.model.trace import (
     find_traces,
     load_trace,
 )
-from oomcast.training.classes import SUDDEN_CAUSES, ClassScore, format_classes, run_class
+from oomcast.training.classes import STEP_CAUSES, ClassScore, format_classes, run_class
 from oomcast.training.progress import bar
 
 # Seconds before the OOM at which the time-to-OOM forecast is checked, latest last.
@@ -390,7 +390,8 @@ def evaluate(
     ``resample_s`` first downsamples every trace to one sample per that many seconds.
     ``per_trace`` (a file name or an open text file) gets one JSON line per trace and
     detector; ``by_cause`` adds ``by_cause: {cause: {detector: summary}}`` and, over the
-    causes of :data:`SUDDEN_CAUSES` there are, ``sudden: {detector: summary}``.
+    causes of :data:`STEP_CAUSES` there are (a neighbour arriving is left to its own cause),
+    ``sudden: {detector: summary}``.
     ``phases`` (the hook's view only): merge the phase forecasts in, as the service does;
     ``phase_traces`` in the result counts the traces they were merged into (absent: none)."""
     if view not in ("full", "nvml"):
@@ -457,7 +458,7 @@ def _prepared(path: Path, view: str, resample_s: float | None) -> Trace:
 
 def _sudden(cause_scores: dict[str, dict[str, Score]], names: list[str]) -> dict[str, Score] | None:
     """The sudden causes' scores pooled, per detector; None when no trace had one."""
-    groups = [cause_scores[c] for c in SUDDEN_CAUSES if c in cause_scores]
+    groups = [cause_scores[c] for c in STEP_CAUSES if c in cause_scores]
     if not groups:
         return None
     pooled = {name: Score() for name in names}
@@ -515,7 +516,12 @@ def format_table(result: dict[str, Any]) -> str:
     for cause, dets in result.get("by_cause", {}).items():
         lines += ["", f"cause: {cause}", *_table(dets)]
     if SUDDEN in result:
-        lines += ["", f"sudden: {', '.join(SUDDEN_CAUSES)} together", *_table(result[SUDDEN])]
+        lines += [
+            "",
+            f"sudden: {', '.join(STEP_CAUSES)} together (a neighbour arriving is its own"
+            " cause above)",
+            *_table(result[SUDDEN]),
+        ]
     if result.get("phase_traces"):
         lines.append(
             f"phase forecasts merged in on the {result['phase_traces']} traces with a schedule"

@@ -353,6 +353,8 @@ def _figures(total: Score, job_hours: float) -> dict[str, Any]:
         "short_warned_10s": short["warned_10s"],
         "sudden_ooms": sudden["n"],
         "sudden_warned_30s": sudden["warned_30s"],
+        "neighbour_ooms": c["oom_neighbour"]["n"],
+        "neighbour_warned_30s": c["oom_neighbour"]["warned_30s"],
         "oom_runs": total.oom_traces,
         "oom_warned_30s": sum(1 for x in leads if x >= 30.0),
         "median_lead_all_s": round(statistics.median(leads), 1) if leads else None,
@@ -542,6 +544,10 @@ def _rows(result: Result) -> list[tuple[str, str, str]]:
     both("median lead, long OOMs", lambda x: _num(x["median_lead_s"], "{:.1f} s"))
     both("short OOMs warned >= 10 s", lambda x: _pct(x["short_warned_10s"], x["short_ooms"]))
     both("sudden OOMs warned >= 30 s", lambda x: _pct(x["sudden_warned_30s"], x["sudden_ooms"]))
+    both(
+        "neighbours arriving warned >= 30 s",
+        lambda x: _pct(x["neighbour_warned_30s"], x["neighbour_ooms"]),
+    )
     both("all OOMs warned >= 30 s", lambda x: _pct(x["oom_warned_30s"], x["oom_runs"]))
     both("false alarms (ordinary runs)", lambda x: _pct(x["false_alarms"], x["ordinary_runs"]))
     both(

@@ -26,6 +26,34 @@ def test_run_class(
     assert run_class(oom_after, level, span, alert) == expected
 
 
+@pytest.mark.parametrize(
+    "cause, expected",
+    [
+        ("neighbour", "oom_neighbour"),  # another process: apart from the job's own steps
+        ("eval_no_grad", "oom_sudden"),
+        ("optimizer_state", "oom_sudden"),
+        ("checkpoint", "oom_sudden"),
+        ("leak", "oom_long"),
+        (None, "oom_long"),
+    ],
+)
+def test_an_oom_s_cause_sets_its_class_whenever_it_came(cause: str | None, expected: str) -> None:
+    assert run_class(300.0, 1.0, 300.0, None, cause) == expected
+
+
+def test_neighbours_are_counted_apart_from_the_job_s_own_steps() -> None:
+    score = ClassScore()
+    score.add("oom_sudden", 40.0, True, 300.0)
+    score.add("oom_sudden", None, False, 300.0)
+    score.add("oom_neighbour", None, False, 300.0)
+    s = score.summary()
+    assert s["oom_sudden"]["n"] == 2 and s["oom_sudden"]["warned_30s"] == 1
+    assert s["oom_neighbour"] == {"n": 1, "warned_30s": 0, "recall_30s": 0.0, "warned_10s": 0,
+                                  "recall_10s": 0.0, "median_lead_s": None}  # fmt: skip
+    text = "\n".join(format_classes("model", s))
+    assert "sudden OOMs (own steps) 1/2 at 30 s; neighbours arriving 0/1 at 30 s" in text
+
+
 def test_summary_counts_each_class_against_its_goal() -> None:
     score = ClassScore()
     for lead in (45.0, 31.0, 12.0, None):

@@ -31,7 +31,10 @@ from typing import Any
 from oomcast.model.growth import GROWTH_FEATURES, GrowthTracker
 from oomcast.model.schema import Sample, parse_sample
 
-EMBEDDING_VERSION = 6
+EMBEDDING_VERSION = 7
+# Earlier schemas whose features are today's first N, unchanged in meaning: a model trained
+# on one of them is fed today's vectors cut to its width (v7 appended three features to v6).
+PREFIX_SCHEMAS: dict[int, int] = {6: 45}
 
 # Features of one sample and its predecessor (``embed``).
 INSTANT_FEATURES: tuple[str, ...] = (

@@ -19,7 +19,9 @@ From the fits come the features the forecaster and its evidence gate read
 - deceleration: how much slower the last 15 s rose than the longest window there is (+1
   levelling off, 0 a steady pace, -1 speeding up);
 - how long growth beyond noise has been going on (``growth_age_s``): a window's slope
-  counts as growth when it is three standard errors above zero (``GROWTH_Z``).
+  counts as growth when it is three standard errors above zero (``GROWTH_Z``);
+- the largest fall of the level within the last 120 s (``drawdown_120s``): a sawtooth's
+  next tooth climbs as straight as a leak, and only the drop before it tells them apart.
 
 The fits are recomputed once per second of trace time (when a sample opens a new second),
 from at most 121 buckets, and include the bucket just opened; samples within a second reuse
@@ -56,6 +58,13 @@ GROWTH_FEATURES: tuple[str, ...] = (
     # where a climb that is slowing down would level off (``levelling``)
     "plateau_headroom",  # 1 - the level it would level off at; -1: not levelling below 2x
     "slowing_per_min",  # how fast the pace is falling: -(y''/y') in 1/min, 0 when not
+    # the largest fall of the level within the last 120 s (``drawdown``): a climb that
+    # follows a drop (a sawtooth's next tooth) is not a leak going on
+    "drawdown_120s",
+    # the pace of the last 10 s and its standard error: a climb that stopped a few seconds
+    # ago (a start-up's weights landing in one step) still has steep 15 s and 30 s fits
+    "slope_10s_pct_per_s",
+    "slope_se_10s_pct_per_s",
 )
 N_GROWTH = len(GROWTH_FEATURES)
 TIME_CAP_S = 3600.0
@@ -252,6 +261,7 @@ class GrowthTracker:
         else:
             decel = 0.0
         plateau, slowing = self._levelling(now, fits) if growing else (-1.0, 0.0)
+        now10 = self._fit(now, 10)
         return [
             *(_pct(f.slope) if f.valid else 0.0 for f in fits),
             *(min(10.0, f.se * 100.0) if f.valid else 10.0 for f in fits),
@@ -262,7 +272,22 @@ class GrowthTracker:
             math.log1p(age),
             plateau,
             slowing,
+            self._drawdown(),
+            *((_pct(now10.slope), min(10.0, now10.se * 100.0)) if now10.valid else (0.0, 10.0)),
         ]
+
+    def _drawdown(self) -> float:
+        """The largest fall of a second's lowest level below the lowest level of an earlier
+        second, over the last 120 s and the second being filled (fraction of capacity, 0
+        when the floor never fell). Floors, not highs: the swing within one training step
+        (activations freed after the backward pass) is not a fall."""
+        top, fall = -math.inf, 0.0
+        for y in itertools.chain(self.lo, (self.lo_now,)):
+            if y > top:
+                top = y
+            elif top - y > fall:
+                fall = top - y
+        return min(1.0, fall)
 
     def _levelling(self, now: float, fits: list[Fit]) -> tuple[float, float]:
         """Where a climb that is slowing down would level off, from the pace of the last
@@ -364,4 +389,4 @@ def _pct(slope: float) -> float:
 def idle_features() -> list[float]:
     """The features of a domain with no history: no slope, no growth, nothing in sight."""
     return [*(0.0 for _ in WINDOWS_S), *(10.0 for _ in WINDOWS_S), 1.0, 1.0, 1.0, 0.0, 0.0,
-            -1.0, 0.0]  # fmt: skip
+            -1.0, 0.0, 0.0, 0.0, 10.0]  # fmt: skip

@@ -19,6 +19,14 @@ level has grown beyond noise for 30 s with the projection's earliest time to the
 within that horizon, unless the domain is at the brink (98% of capacity, or allocation
 retries climbing above 90%).
 
+Beside the network, a straight climb is taken at its word (``straight_line``): where the
+gate is open, the level has not fallen in the last two minutes, and the climb is neither
+levelling off nor slowing beyond its noise, the risk within each horizon is at
+least the chance, from the fitted slope and its standard error, that the line reaches the
+limit inside it, and the time to OOM is the line's. A leak that keeps its pace is warned as
+soon as the gate opens, however young the job; a start-up or a cache that slows down, and a
+sawtooth's next tooth, are left to the network.
+
 The LSTM steps at most once per ``tick_s`` of trace time (``docs/design.md``): a domain
 sampled at 10 Hz and one sampled at 1 Hz advance the same number of steps per minute, and
 every feature is a function of trace time, so the same curve gives the same forecast.
@@ -53,11 +61,20 @@ RETRIES_LEVEL = 0.9
 # A climb that is slowing down towards a level this far below the limit (or further) is a
 # start-up or a cache filling, not a leak: the gate stays shut until the brink.
 PLATEAU_MARGIN = 0.03
+# The straight-line component (``straight_line``): the deceleration (``model/growth.py``) a
+# line may show, the largest fall in the last 120 s as a share of its rise over the last
+# 30 s, and how many standard errors of the 10 s fit its pace now may lag the 30 s fit's.
+STRAIGHT = {"max_deceleration": 0.25, "drawdown_share": 0.5, "slowing_se": 1.0}
 _AGE = FEATURES.index("log1p_growth_age_s")
 _TTL_LO = FEATURES.index("time_to_limit_lo")
 _RETRIES = FEATURES.index("log1p_retries_per_min")
 _PLATEAU = FEATURES.index("plateau_headroom")
 _TTL = [FEATURES.index(f) for f in ("time_to_limit", "time_to_limit_lo", "time_to_limit_hi")]
+_DECEL = FEATURES.index("deceleration")
+_SLOPE_10 = FEATURES.index("slope_10s_pct_per_s")
+_SLOPE_30 = FEATURES.index("slope_30s_pct_per_s")
+_SE_10 = FEATURES.index("slope_se_10s_pct_per_s")
+_DRAWDOWN = FEATURES.index("drawdown_120s")
 _LOG_CAP = math.log1p(3600.0)  # the squashing of times (model/growth.py squash_s)
 
 
@@ -131,9 +148,12 @@ class OOMForecastNet(nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x: (batch, time, features) -> (hazard logits per bin: (batch, time, bins), new
         state)."""
-        assert x.dim() == 3 and x.shape[-1] == self.cfg.n_features, x.shape
+        assert x.dim() == 3 and x.shape[-1] >= self.cfg.n_features, x.shape
+        # a network trained on an earlier schema reads the features it knew: the schema only
+        # ever grows at its end
+        xn = x[..., : self.cfg.n_features]
         # clipped: a value far outside anything seen in training saturates, never explodes
-        z = self.embed(torch.clamp((x - self.x_mean) / self.x_scale, -8.0, 8.0))
+        z = self.embed(torch.clamp((xn - self.x_mean) / self.x_scale, -8.0, 8.0))
         out, new_state = self.lstm(z, state)  # (batch, time, hidden)
         # log seconds of the projection and its bounds, from their squashed features
         proj = torch.log((torch.exp(x[..., _TTL] * _LOG_CAP) - 1.0).clamp(min=0.5))  # (b, t, 3)
@@ -175,8 +195,8 @@ class OOMForecastNet(nn.Module):
         self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Risk as the service reports it: calibrated, then gated (``evidence_gate``)."""
-        log_s, _, new_state = self.heads(x, state)
-        return self.calibrated(log_s) * evidence_gate(x, self.cfg.horizons_s), new_state
+        log_s, log_tto, new_state = self.heads(x, state)
+        return served(self, log_s, log_tto, x)[0], new_state
 
     def zero_state(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.cfg.layers, batch, self.cfg.hidden)
@@ -197,8 +217,21 @@ class SequenceModule(nn.Module):
         self, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         log_s, log_tto, (h2, c2) = self.net.heads(x, (h, c))
-        risk = self.net.calibrated(log_s) * evidence_gate(x, self.net.cfg.horizons_s)
-        return risk, torch.exp(log_tto.clamp(-2.0, 9.0)), h2, c2
+        risk, tto = served(self.net, log_s, log_tto, x)
+        return risk, tto, h2, c2
+
+
+def served(
+    net: OOMForecastNet, log_s: torch.Tensor, log_tto: torch.Tensor, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(risk per horizon, seconds to the OOM) as the service reports them, from the
+    network's heads and the raw features x (..., features): the network's calibrated risk
+    or the straight line's, whichever is higher, through the evidence gate; the straight
+    line's time to the limit where it holds, else the network's."""
+    line, holds, line_s = straight_line(x, net.cfg.horizons_s)
+    risk = torch.maximum(net.calibrated(log_s), line) * evidence_gate(x, net.cfg.horizons_s)
+    tto = torch.where(holds, line_s.clamp(0.5, 3600.0), torch.exp(log_tto.clamp(-2.0, 9.0)))
+    return risk, tto
 
 
 def median_time(log_s_bins: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
@@ -227,6 +260,41 @@ def evidence_gate(x: torch.Tensor, horizons_s: tuple[int, ...]) -> torch.Tensor:
     limits = torch.tensor([squash_s(h) for h in horizons_s], dtype=x.dtype)
     inside = x[..., _TTL_LO].unsqueeze(-1) <= limits + 1e-6
     return ((grown.unsqueeze(-1) & inside) | brink.unsqueeze(-1)).to(x.dtype)
+
+
+def straight_line(
+    x: torch.Tensor, horizons_s: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The straight-line component, from the raw features x (..., features). Where the climb
+    is a straight one (the gate's growth condition, a projection to the limit, deceleration
+    at most ``max_deceleration``, and no fall in the last 120 s larger than
+    ``drawdown_share`` of the last 30 s's rise), the chance that the line reaches the limit
+    within each horizon: the fitted pace taken as normal, with the spread the projection's
+    bounds give it (two standard errors), so a clean line gives nearly 0 or 1 and a noisy
+    one something between. Where the pace of the last 10 s lags the 30 s fit's by more than
+    ``slowing_se`` of its standard errors, it adds no risk (a climb that is slowing down,
+    or one that stopped a few seconds ago, is the network's to judge) but its time to the
+    limit still stands. Returns (risk (..., H), where it holds with the limit more likely
+    than not inside the longest horizon (...), the line's seconds to the limit (...))."""
+    grown = (x[..., _AGE] >= math.log1p(GATE_GROWTH_S) - 1e-4) & (x[..., _PLATEAU] < PLATEAU_MARGIN)
+    ttl, ttl_lo = x[..., _TTL[0]], x[..., _TTL_LO]
+    rise_30s = 30.0 * (x[..., _SLOPE_30] / 100.0).clamp(min=0.0)
+    line = (
+        grown
+        & (ttl < 1.0 - 1e-6)
+        & (x[..., _DECEL] <= STRAIGHT["max_deceleration"])
+        & (x[..., _DRAWDOWN] <= STRAIGHT["drawdown_share"] * rise_30s)
+    )
+    steady = x[..., _SLOPE_10] >= x[..., _SLOPE_30] - STRAIGHT["slowing_se"] * x[..., _SE_10]
+    mid_s = torch.exp(ttl * _LOG_CAP) - 1.0
+    lo_s = (torch.exp(ttl_lo * _LOG_CAP) - 1.0).clamp(min=1e-3)
+    # the pace's relative standard error: the earliest projection is at pace + 2 SE
+    rel = ((mid_s / lo_s - 1.0) / 2.0).clamp(min=1e-3)
+    ends = torch.tensor([float(h) for h in horizons_s], dtype=x.dtype)
+    z = (1.0 - mid_s.unsqueeze(-1) / ends) / rel.unsqueeze(-1)
+    p = 0.5 * (1.0 + torch.erf(z / math.sqrt(2.0)))
+    risk = p * (line & steady).unsqueeze(-1).to(x.dtype)
+    return risk, line & (p[..., -1] >= 0.5), mid_s
 
 
 def fit_calibration(

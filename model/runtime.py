@@ -30,6 +30,9 @@ import numpy as np
 
 from oomcast.model.embedding import (
     EMBEDDING_VERSION,
+    FEATURES,
+    N_FEATURES,
+    PREFIX_SCHEMAS,
     TICK_TOLERANCE,
     EmbeddingState,
     finite_number,
@@ -137,7 +140,14 @@ class OnnxForecaster:
             rule = json.loads(meta["oomcast.rule"])
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(f"{path} lacks oomcast metadata ({exc})") from exc
-        if self.embedding_version != EMBEDDING_VERSION:
+        try:
+            model_features = json.loads(meta["oomcast.features"])
+        except (KeyError, ValueError) as exc:
+            raise ModelLoadError(f"{path} lacks oomcast metadata ({exc})") from exc
+        prefix = PREFIX_SCHEMAS.get(self.embedding_version)
+        same = self.embedding_version == EMBEDDING_VERSION and model_features == list(FEATURES)
+        earlier = prefix == len(model_features) and model_features == list(FEATURES[:prefix])
+        if not (same or earlier):
             raise ModelLoadError(
                 f"{path} was trained on embedding v{self.embedding_version}; this oomcast"
                 f" computes v{EMBEDDING_VERSION}"
@@ -157,7 +167,8 @@ class OnnxForecaster:
         self._free: list[int] = list(range(63, -1, -1))
         self._horizons = np.asarray(self.horizons_s, dtype=np.float64)
         self._index = {h: i for i, h in enumerate(self.horizons_s)}
-        self._n_features = len(json.loads(meta["oomcast.features"]))
+        # the graph's input width: today's, or an earlier schema's that is its prefix
+        self._n_features = len(model_features)
         self.recalibration: dict[int, tuple[float, float]] | None = None
         self._recal: tuple[np.ndarray, np.ndarray] | None = None
         if RECALIBRATION_KEY in meta:
@@ -254,7 +265,7 @@ class OnnxForecaster:
         n = len(states)
         if n == 0:
             return [], np.zeros((0, len(self.horizons_s)), np.float32), []
-        width = self._n_features
+        width = N_FEATURES  # what nodes send and the embedding computes
         x: np.ndarray | None = None
         if embeddings is not None:  # the node's: the hot path, one conversion for them all
             try:
@@ -281,7 +292,9 @@ class OnnxForecaster:
             slot_rows = np.fromiter((st.index for st in states), dtype=np.intp, count=n)
             idx = slot_rows
             h0, c0 = np.take(self._h, slot_rows, axis=1), np.take(self._c, slot_rows, axis=1)
-        risk, tto, h, c = self.session.run(None, {"x": x[:, None, :], "h": h0, "c": c0})
+        risk, tto, h, c = self.session.run(
+            None, {"x": x[:, None, : self._n_features], "h": h0, "c": c0}
+        )
         risk, tto = risk[:, 0, :], tto[:, 0]
         if self._recal is not None:
             risk = recalibrated(risk, *self._recal)
@@ -323,7 +336,7 @@ class OnnxForecaster:
         if not samples:
             raise ValueError("window_last needs at least one sample")
         emb = EmbeddingState()
-        x = np.asarray([emb.embed(s) for s in samples], dtype=np.float32)  # every sample
+        x = np.asarray([emb.embed(s) for s in samples], dtype=np.float32)[:, : self._n_features]
         tick, committed = -math.inf, []
         for i, s in enumerate(samples[:-1]):  # as step() commits: once per tick
             if s.ts - tick >= self._tick_min_s:

@@ -35,10 +35,10 @@ from oomcast.model.forecast import HORIZONS_S
 from oomcast.model.network import (
     NetConfig,
     OOMForecastNet,
-    evidence_gate,
     fit_calibration,
     hazard_loss,
     hazard_targets,
+    served,
 )
 from oomcast.model.trace import find_traces
 from oomcast.training.classes import CENSOR_S, LONG_AFTER_S, NEAR_LEVEL
@@ -95,12 +95,11 @@ def predict_sequences(
                 x[j, : len(seqs[i].x)] = seqs[i].x
             xt = torch.from_numpy(x)
             log_s, log_tto, _ = net.heads(xt)
-            if tto:
-                val = torch.exp(log_tto.clamp(-2.0, 9.0))
-            elif raw:
+            if raw:
                 val = log_s
             else:
-                val = net.calibrated(log_s) * evidence_gate(xt, net.cfg.horizons_s)
+                risk, seconds = served(net, log_s, log_tto, xt)
+                val = seconds if tto else risk
             for j, i in enumerate(idx):
                 results[i] = val[j, : len(seqs[i].x)].numpy()
     out = [results[i] for i in range(len(seqs))]

@@ -76,10 +76,13 @@ def squashed(seconds: float) -> float:
 
 
 def test_feature_names_are_unique_and_counted() -> None:
-    assert len(set(FEATURES)) == len(FEATURES) == N_FEATURES == 45
+    assert len(set(FEATURES)) == len(FEATURES) == N_FEATURES == 48
     assert FEATURES == INSTANT_FEATURES + CONTEXT_FEATURES
     assert FEATURES[:N_INSTANT] == INSTANT_FEATURES and N_INSTANT == 14
-    assert EMBEDDING_VERSION == 6
+    assert EMBEDDING_VERSION == 7
+    # v7: the largest fall in 120 s and the pace of the last 10 s, appended (a network
+    # trained on v6 reads the first 45: training/graft.py)
+    assert FEATURES[-3:] == ("drawdown_120s", "slope_10s_pct_per_s", "slope_se_10s_pct_per_s")
     # v5: growth beyond noise over 15-120 s, the projection to the limit, its age
     assert FEATURES[-len(GROWTH_FEATURES) :] == GROWTH_FEATURES
     # v4: the level and its log headroom replace the per-sample rate and the absolute GiB

@@ -168,3 +168,34 @@ def test_a_climb_that_slows_says_where_it_will_level_off_and_a_leak_never_does()
     leak = run(lambda t: 0.3 + 0.004 * t, 150, 10.0)
     assert all(f[IDX["plateau_headroom"]] == -1.0 for f in leak.values())
     assert all(f[IDX["slowing_per_min"]] == 0.0 for f in leak.values())
+
+
+def test_drawdown_is_the_largest_fall_of_the_floor_in_the_last_two_minutes() -> None:
+    # a leak never falls
+    leak = run(lambda t: 0.2 + 0.004 * t, 150, 10.0)
+    assert leak[140][IDX["drawdown_120s"]] == 0.0
+    # a 45 s sawtooth from 60% to 95%: its next tooth climbs as straight as a leak, and the
+    # drop before it (about 35% of capacity) is what tells them apart, for two minutes
+    saw = run(lambda t: 0.6 + 0.35 * ((t % 45.0) / 45.0), 300, 1.0)
+    assert saw[30][IDX["drawdown_120s"]] == 0.0  # the first tooth: nothing fell yet
+    assert saw[80][IDX["drawdown_120s"]] == pytest.approx(0.35 * 44 / 45, abs=1e-6)
+    # activations freed within every second (10 Hz, a 0.5 s step) are not a fall: the floor
+    # of each second holds while the level swings 10% within it
+    swing = run(lambda t: 0.3 + 0.002 * t + (0.1 if (t % 0.5) < 0.25 else 0.0), 150, 10.0)
+    assert swing[140][IDX["drawdown_120s"]] < 0.005
+    # a drop older than the window is forgotten
+    once = run(lambda t: 0.8 if t < 10 else 0.4, 200, 1.0)
+    assert once[100][IDX["drawdown_120s"]] == pytest.approx(0.4)
+    assert once[140][IDX["drawdown_120s"]] == 0.0
+
+
+def test_the_10_s_pace_sees_a_climb_that_stopped_while_longer_fits_still_climb() -> None:
+    leak = run(lambda t: 0.2 + 0.004 * t, 60, 10.0)
+    assert leak[50][IDX["slope_10s_pct_per_s"]] == pytest.approx(0.4, rel=1e-3)
+    jump = run(lambda t: 0.05 + 0.65 * min(1.0, max(0.0, t - 17.0) / 5.0), 40, 1.0)
+    assert jump[33][IDX["slope_15s_pct_per_s"]] > 2.0  # the jump is still in the window
+    assert jump[33][IDX["slope_10s_pct_per_s"]] == 0.0
+    assert jump[33][IDX["slope_se_10s_pct_per_s"]] < 0.01
+    young = run(lambda t: 0.2 + 0.004 * t, 8, 1.0)  # less than 10 s of history: no fit
+    assert young[7][IDX["slope_10s_pct_per_s"]] == 0.0
+    assert young[7][IDX["slope_se_10s_pct_per_s"]] == 10.0

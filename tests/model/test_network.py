@@ -4,12 +4,13 @@ it, calibration, the evidence gate, the exported graph."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
 from torch.nn.functional import binary_cross_entropy
 
-from oomcast.model.embedding import FEATURES, LEVEL
+from oomcast.model.embedding import FEATURES, LEVEL, EmbeddingState
 from oomcast.model.growth import squash_s
 from oomcast.model.network import (
     BINS_S,
@@ -21,7 +22,10 @@ from oomcast.model.network import (
     hazard_loss,
     hazard_targets,
     median_time,
+    served,
+    straight_line,
 )
+from oomcast.model.schema import Sample
 
 H = len(NetConfig().horizons_s)
 
@@ -168,7 +172,10 @@ def test_streaming_steps_equal_the_whole_sequence() -> None:
     assert torch.allclose(torch.stack(risks, dim=1), full, atol=1e-5)
     tto_s = torch.stack(ttos, dim=1)
     assert (tto_s > 0).all()
-    assert torch.allclose(tto_s, torch.exp(log_tto.clamp(-2.0, 9.0)), rtol=1e-5)
+    with torch.no_grad():
+        log_s, log_tto, _ = net.heads(x)
+        _, want = served(net, log_s, log_tto, x)
+    assert torch.allclose(tto_s, want, rtol=1e-5)
 
 
 def _curve(cdf: list[float]) -> torch.Tensor:
@@ -277,3 +284,67 @@ def test_config_round_trips_with_its_tick() -> None:
     # the calibration travels with the weights
     net = OOMForecastNet(cfg)
     assert {"cal_a", "cal_b", "x_mean", "x_scale"} <= set(net.state_dict())
+
+
+def _embedded(level: Callable[[float], float], seconds: int) -> torch.Tensor:
+    """The embeddings of ``level`` (fraction of a 16 GiB GPU) sampled once a second."""
+    emb = EmbeddingState()
+    total = 16 << 30
+    rows = []
+    for t in range(seconds):
+        used = int(min(1.0, level(float(t))) * total)
+        rows.append(emb.embed(Sample(1_900_000_000.0 + t, "n", "gpu0", "gpu", total, used,
+                                     peak_bytes=used)))  # fmt: skip
+    return torch.tensor(rows)
+
+
+def test_a_straight_leak_is_taken_at_its_word_once_the_gate_opens() -> None:
+    horizons = NetConfig().horizons_s  # 5, 15, 30, 45, 60, 120, 300
+    x = _embedded(lambda t: t / 60.0, 31)  # a one-minute leak from the job's first second
+    risk, holds, line_s = straight_line(x, horizons)
+    assert risk[20].tolist() == [0.0] * 7 and not holds[20]  # 20 s of growth: not yet
+    assert holds[30] and line_s[30] == pytest.approx(30.0, rel=0.02)
+    # the limit 30 s away on a clean line: surely not within 15 s, surely within 45 s
+    at = dict(zip(horizons, risk[30].tolist(), strict=True))
+    assert at[15] < 0.01 and at[45] > 0.99 and at[300] > 0.99
+
+
+def test_a_sawtooth_tooth_a_climb_that_slows_and_one_that_stopped_are_not_lines() -> None:
+    horizons = NetConfig().horizons_s
+    k45 = horizons.index(45)
+    # the 45 s tooth of a sawtooth from 60% to 95%: 43 s into its second tooth it climbs
+    # exactly as the first did, at its high, 8 s from the limit at its pace; the drop 43 s
+    # ago is all that says it is no leak
+    saw = _embedded(lambda t: 0.6 + 0.35 * ((t % 45.0) / 45.0), 89)
+    risk, holds, _ = straight_line(saw, horizons)
+    assert float(risk[88, k45]) == 0.0 and not holds[88]
+    # a climb that slows as it goes, towards a level past the limit (the gate stays open):
+    # once it slows beyond its noise the line adds no risk, though its time still stands
+    slow = _embedded(lambda t: 0.02 + 1.0 * (1 - math.exp(-t / 60.0)), 70)
+    risk, holds, line_s = straight_line(slow, horizons)
+    assert float(risk[40:, k45].max()) == 0.0
+    assert holds[60] and line_s[60] == pytest.approx(44.0, abs=2.0)
+    # weights landing in a few seconds, then a flat line: 30 s after the jump began, its 15 s
+    # and 30 s fits are still steep, but the last 10 s did not rise
+    jump = _embedded(lambda t: 0.05 + 0.65 * min(1.0, max(0.0, t - 17.0) / 5.0), 40)
+    risk, _, _ = straight_line(jump, horizons)
+    assert float(risk[:, k45].max()) == 0.0
+
+
+def test_served_risk_is_the_higher_of_network_and_line_through_the_gate() -> None:
+    torch.manual_seed(2)
+    net = OOMForecastNet(NetConfig()).eval()
+    flat = _embedded(lambda t: 0.5, 40)
+    leak = _embedded(lambda t: t / 60.0, 40)
+    x = torch.stack([flat, leak])
+    with torch.no_grad():
+        log_s, log_tto, _ = net.heads(x)
+        risk, tto = served(net, log_s, log_tto, x)
+        cal = net.calibrated(log_s) * evidence_gate(x, net.cfg.horizons_s)
+    line, holds, line_s = straight_line(x, net.cfg.horizons_s)
+    gate = evidence_gate(x, net.cfg.horizons_s)
+    assert torch.allclose(risk, torch.maximum(cal, line * gate))
+    assert (risk[0] == 0).all()  # a flat line: the gate is shut, whatever the network says
+    assert holds[1, 35] and tto[1, 35] == pytest.approx(float(line_s[1, 35]))
+    assert not holds[0].any()
+    assert torch.allclose(tto[0], torch.exp(log_tto[0].clamp(-2.0, 9.0)))

@@ -7,8 +7,7 @@ many domains per call) and judged by the shipped alert rule (``fc.rule``).
 - a start-up climb that levels off at up to 90%, an allocator cache at 97% with live tensors
   at 60%: never alert; a sawtooth that always fits (60-95%): never, once its first tooth
   has dropped (a first tooth of 45 s is a straight climb from the job's start, as steep as
-  the 1-minute leak below: the drop is what tells them apart; a known shortfall of the
-  shipped model: the second tooth of the 80-95% one alerts);
+  the 1-minute leak below: the drop is what tells them apart);
 - a straight leak to 100% over 1 to 10 minutes from any starting level alerts at least 30 s
   before the OOM, and its time to OOM 60 s and 30 s before the OOM is within 25% of the
   truth (wherever at least 30 s of the leak were seen by then);
@@ -197,14 +196,6 @@ LEAKS = [(start, minutes) for start in (0.0, 0.3, 0.6, 0.85) for minutes in (1, 
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="known shortfall of lstm-2026.12.04b (docs/model-card.md): 1-minute leaks are"
-    " warned 12-14 s ahead and 2-minute leaks 21-28 s ahead (rule: risk within 45 s >="
-    " 0.19; recording validation's short near misses again did not lift it, docs/corpus.md);"
-    " 5- and 10-minute leaks are warned in time; see the figures the failure prints; strict,"
-    " so a model that passes says so",
-)
 def test_a_straight_leak_alerts_30s_ahead_with_a_time_to_oom_within_25_percent(
     fc: OnnxForecaster,
 ) -> None:

@@ -90,7 +90,7 @@ def _bench(
             key = f"us_per_sample_{n}" + ("" if node_side else "_embedded_in_service")
             out[key] = round(per, 3)
         # the ONNX call alone, for the share the rest of the path takes
-        x = np.asarray(embs[0], dtype=np.float32)[:, None, :]
+        x = np.asarray(embs[0], dtype=np.float32)[:, None, : fc.n_features]
         h = np.zeros((fc.layers, n, fc.hidden), np.float32)
         done, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds / 2:

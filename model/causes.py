@@ -129,6 +129,10 @@ REMEDIES: dict[str, tuple[str, ...]] = {
         "the optimizer's state does not fit: a lighter optimizer (SGD, 8-bit Adam), optimizer"
         " state offloaded to the CPU, or a smaller model per GPU (sharding)",
     ),
+    "phase:arrival": (
+        "a job announced to start on this GPU (POST /v1/admit) will not fit beside this one:"
+        " place it on another GPU, or checkpoint this job before it lands",
+    ),
     "neighbour": (
         "another process on this GPU is growing: move one of the jobs, or give each its"
         " share (torch.cuda.set_per_process_memory_fraction)",
@@ -186,6 +190,8 @@ def diagnose(
             remedies.append(_limit_remedy(last, peak))
         return Diagnosis(cause, tuple(remedies), evidence, tuple(thin))
 
+    if phase_cause == "phase:arrival":
+        return done(phase_cause, "an arrival announced on this GPU will not fit beside its use")
     if phase_cause is not None and phase_cause.startswith("phase:"):
         return done(phase_cause, f"the job's schedule: the next {phase_cause[6:]} will not fit")
     frag = None if host else _fragmented(last, retries_before)

@@ -199,3 +199,58 @@ def parse_schedule(obj: Mapping[str, Any]) -> ScheduleEvent:
         measured=_measured(plain),
         phase_peak_bytes=_phase_bytes(plain, "phase_peak_bytes", required=False),
     )
+
+
+# --- an announced arrival ----------------------------------------------------------------------
+
+ARRIVAL = "arrival"
+
+
+@dataclass(slots=True, frozen=True)
+class ArrivalEvent(Event):
+    """An ``arrival`` event: a scheduler announced (``POST /v1/admit`` with ``arrives_in_s``)
+    that another job will start on this GPU at ``lands_at`` (ts), needing ``need_bytes`` of
+    device memory (its preflight peak reserved plus its CUDA context); ``job`` names the
+    arriving job. ``resident_peak_bytes``: what the GPU's residents had used at their highest
+    when it was announced (the history the service held then), if known. The service takes
+    arrivals only from its own authenticated API, never from the events stream; traces carry
+    them so that evaluate replays the announcement (training/scenarios.py writes them)."""
+
+    need_bytes: int = 0
+    lands_at: float = 0.0
+    resident_peak_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ts": self.ts, "node": self.node, "device": self.device}
+        out["event"] = self.event
+        if self.job is not None:
+            out["job"] = self.job
+        out["need_bytes"] = self.need_bytes
+        out["lands_at"] = self.lands_at
+        if self.resident_peak_bytes is not None:
+            out["resident_peak_bytes"] = self.resident_peak_bytes
+        return out
+
+
+def parse_arrival(obj: Mapping[str, Any]) -> ArrivalEvent:
+    """An ``arrival`` event, checked field by field; SchemaError names the field."""
+    plain = dict(obj)
+    if plain.get("event") != ARRIVAL:
+        raise SchemaError("event", f"must be {ARRIVAL!r}, got {str(plain.get('event'))[:80]!r}")
+    need = _count(plain, "need_bytes", required=True)
+    assert need is not None
+    if need == 0:
+        raise SchemaError("need_bytes", "must be at least 1 byte")
+    lands = plain.get("lands_at")
+    if isinstance(lands, bool) or not isinstance(lands, int | float) or not math.isfinite(lands):
+        raise SchemaError("lands_at", f"must be a finite timestamp, got {str(lands)[:80]!r}")
+    return ArrivalEvent(
+        ts=_ts(plain),
+        node=_name(plain, "node"),
+        device=_name(plain, "device"),
+        event=ARRIVAL,
+        job=_optional_str(plain, "job"),
+        need_bytes=need,
+        lands_at=float(lands),
+        resident_peak_bytes=_count(plain, "resident_peak_bytes", required=False),
+    )

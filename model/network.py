@@ -74,6 +74,7 @@ _DECEL = FEATURES.index("deceleration")
 _SLOPE_10 = FEATURES.index("slope_10s_pct_per_s")
 _SLOPE_30 = FEATURES.index("slope_30s_pct_per_s")
 _SE_10 = FEATURES.index("slope_se_10s_pct_per_s")
+_SE_30 = FEATURES.index("slope_se_30s_pct_per_s")
 _DRAWDOWN = FEATURES.index("drawdown_120s")
 _LOG_CAP = math.log1p(3600.0)  # the squashing of times (model/growth.py squash_s)
 
@@ -269,15 +270,16 @@ def straight_line(
     is a straight one (the gate's growth condition, a projection to the limit, deceleration
     at most ``max_deceleration``, and no fall in the last 120 s larger than
     ``drawdown_share`` of the last 30 s's rise), the chance that the line reaches the limit
-    within each horizon: the fitted pace taken as normal, with the spread the projection's
-    bounds give it (two standard errors), so a clean line gives nearly 0 or 1 and a noisy
-    one something between. Where the pace of the last 10 s lags the 30 s fit's by more than
-    ``slowing_se`` of its standard errors, it adds no risk (a climb that is slowing down,
-    or one that stopped a few seconds ago, is the network's to judge) but its time to the
-    limit still stands. Returns (risk (..., H), where it holds with the limit more likely
-    than not inside the longest horizon (...), the line's seconds to the limit (...))."""
+    within each horizon: the 30 s fit's pace taken as normal with its standard error, so a
+    clean line gives nearly 0 or 1 and a noisy one something between. Where the pace of the
+    last 10 s lags the 30 s fit's by more than ``slowing_se`` of its standard errors, it
+    adds no risk (a climb that is slowing down, or one that stopped a few seconds ago, is
+    the network's to judge); its time to the limit still stands while the last 10 s still
+    climb beyond their noise. Returns (risk (..., H), where its time holds with the limit
+    more likely than not inside the longest horizon (...), the line's seconds to the limit
+    (...))."""
     grown = (x[..., _AGE] >= math.log1p(GATE_GROWTH_S) - 1e-4) & (x[..., _PLATEAU] < PLATEAU_MARGIN)
-    ttl, ttl_lo = x[..., _TTL[0]], x[..., _TTL_LO]
+    ttl = x[..., _TTL[0]]
     rise_30s = 30.0 * (x[..., _SLOPE_30] / 100.0).clamp(min=0.0)
     line = (
         grown
@@ -286,15 +288,16 @@ def straight_line(
         & (x[..., _DRAWDOWN] <= STRAIGHT["drawdown_share"] * rise_30s)
     )
     steady = x[..., _SLOPE_10] >= x[..., _SLOPE_30] - STRAIGHT["slowing_se"] * x[..., _SE_10]
+    # still climbing now, beyond its noise: a climb that stopped gets no time from the line
+    climbing = x[..., _SLOPE_10] > 2.0 * x[..., _SE_10]
     mid_s = torch.exp(ttl * _LOG_CAP) - 1.0
-    lo_s = (torch.exp(ttl_lo * _LOG_CAP) - 1.0).clamp(min=1e-3)
-    # the pace's relative standard error: the earliest projection is at pace + 2 SE
-    rel = ((mid_s / lo_s - 1.0) / 2.0).clamp(min=1e-3)
+    # the pace's relative standard error, from the 30 s fit that sets the pace
+    rel = (x[..., _SE_30] / x[..., _SLOPE_30].clamp(min=1e-6)).clamp(min=1e-3)
     ends = torch.tensor([float(h) for h in horizons_s], dtype=x.dtype)
     z = (1.0 - mid_s.unsqueeze(-1) / ends) / rel.unsqueeze(-1)
     p = 0.5 * (1.0 + torch.erf(z / math.sqrt(2.0)))
     risk = p * (line & steady).unsqueeze(-1).to(x.dtype)
-    return risk, line & (p[..., -1] >= 0.5), mid_s
+    return risk, line & climbing & (p[..., -1] >= 0.5), mid_s
 
 
 def fit_calibration(

@@ -20,6 +20,12 @@ creep fills them. Elsewhere (host mode, NVML) both are in used bytes, as before.
 announced absolute peak (``phase_peak_bytes``, allocated bytes) is judged against the
 device less what is held outside the allocator.
 
+Another job announced on the GPU (``POST /v1/admit`` with ``arrives_in_s``, or an ``arrival``
+event in a trace) is forecast the same way: :meth:`PhaseState.on_arrival` keeps it, and while
+what it needs is more than the device has left beside its residents' peak, the forecast is
+an ``arrival`` phase that comes when it lands. Arrivals are the GPU's, not the job's: they
+outlive a change of job (:meth:`PhaseState.carried`).
+
 Pure and clock-free: every time is a sample's or event's ``ts``. The service and the
 evaluator use this same code.
 """
@@ -32,7 +38,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomcast.model.events import SCHEDULED_PHASES, ScheduleEvent, parse_schedule
+from oomcast.model.events import (
+    SCHEDULED_PHASES,
+    ArrivalEvent,
+    ScheduleEvent,
+    parse_arrival,
+    parse_schedule,
+)
 from oomcast.model.forecast import Forecast
 from oomcast.model.schema import Sample
 
@@ -47,6 +59,12 @@ PHASE_RISK = 0.95
 # device unusable in practice, and a cgroup reclaims page cache before it kills.
 MARGIN_FRAC = 0.02
 STEP_WINDOW = 33  # step changes kept for the step rate (32 intervals)
+# An announced arrival is judged until it lands; one that did not fit then is forecast for
+# this long after (its process ramps its memory up over the first seconds, and once it has,
+# the level shows it). After the landing it is not judged again: its memory is in the level
+# by then, and counting the announcement on top of it would count the arrival twice.
+ARRIVAL_GRACE_S = 30.0
+MAX_ARRIVALS = 8  # announced arrivals kept per domain (the latest)
 MIN_RATE_STEPS = 2  # steps the window must span before the measured rate is used
 
 
@@ -119,6 +137,11 @@ class PhaseState:
     peak_bytes: dict[str, int] = field(default_factory=dict)
     # (ts, allocated bytes, else use) of the first sample at step 0: the weights' load rate
     load_start: tuple[float, int] | None = None
+    # announced arrivals (``POST /v1/admit``): arriving job -> (lands_at, need_bytes, the
+    # residents' peak when announced)
+    arrivals: dict[str, tuple[float, int, int]] = field(default_factory=dict)
+    # of those, the ones that did not fit at the last sample before they landed
+    unfit: set[str] = field(default_factory=set)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able, for the snapshot a replica taking the domain over restores."""
@@ -132,6 +155,16 @@ class PhaseState:
             "step_start_bytes": self.step_start_bytes,
             "peak_bytes": dict(self.peak_bytes),
             "load_start": None if self.load_start is None else list(self.load_start),
+            "arrivals": [
+                {
+                    "job": job,
+                    "lands_at": at,
+                    "need_bytes": need,
+                    "resident_peak_bytes": peak,
+                    "unfit": job in self.unfit,
+                }
+                for job, (at, need, peak) in self.arrivals.items()
+            ],
         }
 
     @classmethod
@@ -177,7 +210,61 @@ class PhaseState:
             if not isinstance(ts, int | float) or type(level) is not int or level < 0:
                 raise ValueError(f"phases load_start: {load!r} is not a (ts, bytes) pair")
             state.load_start = (float(ts), level)
+        arrivals = data.get("arrivals", [])
+        if not isinstance(arrivals, list) or len(arrivals) > MAX_ARRIVALS:
+            raise ValueError(f"phases arrivals: must be a list of at most {MAX_ARRIVALS}")
+        for raw in arrivals:
+            if not isinstance(raw, Mapping):
+                raise ValueError(f"phases arrivals: {str(raw)[:80]!r} is not an object")
+            ev = parse_arrival({**check, **raw, "event": "arrival"})
+            state.on_arrival(ev)
+            if raw.get("unfit") is True:
+                state.unfit.add(ev.job if ev.job is not None else f"@{ev.lands_at:.3f}")
         return state
+
+    def on_arrival(self, event: ArrivalEvent) -> None:
+        """An announced arrival (a repeated one, of the same job, replaces the first)."""
+        job = event.job if event.job is not None else f"@{event.lands_at:.3f}"
+        self.arrivals.pop(job, None)
+        self.unfit.discard(job)
+        self.arrivals[job] = (event.lands_at, event.need_bytes, event.resident_peak_bytes or 0)
+        while len(self.arrivals) > MAX_ARRIVALS:
+            oldest = next(iter(self.arrivals))
+            del self.arrivals[oldest]
+            self.unfit.discard(oldest)
+
+    def carried(self) -> PhaseState | None:
+        """What outlives the domain's job: its announced arrivals (they are the GPU's, not
+        the job's); None when there are none."""
+        if not self.arrivals:
+            return None
+        return PhaseState(arrivals=dict(self.arrivals), unfit=set(self.unfit))
+
+    def _arrival_forecast(self, sample: Sample) -> PhaseForecast | None:
+        """The earliest announced arrival that will not fit: judged, until it lands, against
+        the residents' peak (the higher of the figure announced with it and the use now);
+        once landed, the last verdict stands for ``ARRIVAL_GRACE_S`` and it is dropped.
+        Judged in used bytes: the arrival's process takes device memory, not the running
+        job's allocator's cached blocks."""
+        usable = sample.total_bytes - int(MARGIN_FRAC * sample.total_bytes)
+        here = max(sample.used_bytes, sample.peak_bytes or 0)
+        best: PhaseForecast | None = None
+        for job, (lands_at, need, peak) in list(self.arrivals.items()):
+            headroom = usable - max(peak, here)
+            if sample.ts < lands_at:
+                if need > headroom:
+                    self.unfit.add(job)
+                else:
+                    self.unfit.discard(job)
+            elif sample.ts > lands_at + ARRIVAL_GRACE_S or job not in self.unfit:
+                del self.arrivals[job]
+                self.unfit.discard(job)
+                continue
+            if job in self.unfit:
+                t = max(0.0, lands_at - sample.ts)
+                if best is None or t < best.time_to_oom_s:
+                    best = PhaseForecast("arrival", t, 0, need, max(0, headroom), False)
+        return best
 
     def on_schedule(self, event: ScheduleEvent) -> None:
         """A (new or repeated) schedule: its periods replace the old ones; its figure for a
@@ -281,11 +368,12 @@ class PhaseState:
         when its figure is above the headroom (both in allocation terms where the sample
         carries the allocator's figures, else in used bytes), or when its announced
         absolute peak is above the device less what is held outside the allocator."""
+        arrival = self._arrival_forecast(sample) if self.arrivals else None
         if self.schedule is None or not self.steps:
-            return None
+            return arrival
         step_s = self.step_s()
         if step_s is None:
-            return None
+            return arrival
         at_ts, step = self.steps[-1]
         since_s = max(0.0, sample.ts - at_ts)
         usable = sample.total_bytes - int(MARGIN_FRAC * sample.total_bytes)
@@ -322,6 +410,8 @@ class PhaseState:
                 if best is None or t < best.time_to_oom_s:
                     need = max(0, peak + outside - base)  # above the level now
                     best = PhaseForecast(phase, t, k, need, max(0, headroom), False)
+        if arrival is not None and (best is None or arrival.time_to_oom_s < best.time_to_oom_s):
+            return arrival
         return best
 
     def _first_step_in_s(self, sample: Sample, step_s: float) -> float:

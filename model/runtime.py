@@ -134,7 +134,8 @@ class OnnxForecaster:
         try:
             self.version = meta["oomcast.version"]
             self.horizons_s = tuple(json.loads(meta["oomcast.horizons_s"]))
-            self.embedding_version = int(meta["oomcast.embedding_version"])
+            # the schema its network was trained on; ``embedding_version`` is the one it reads
+            self.trained_embedding_version = int(meta["oomcast.embedding_version"])
             self.layers = int(meta["oomcast.layers"])
             self.hidden = int(meta["oomcast.hidden"])
             rule = json.loads(meta["oomcast.rule"])
@@ -144,12 +145,13 @@ class OnnxForecaster:
             model_features = json.loads(meta["oomcast.features"])
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(f"{path} lacks oomcast metadata ({exc})") from exc
-        prefix = PREFIX_SCHEMAS.get(self.embedding_version)
-        same = self.embedding_version == EMBEDDING_VERSION and model_features == list(FEATURES)
+        trained = self.trained_embedding_version
+        prefix = PREFIX_SCHEMAS.get(trained)
+        same = trained == EMBEDDING_VERSION and model_features == list(FEATURES)
         earlier = prefix == len(model_features) and model_features == list(FEATURES[:prefix])
         if not (same or earlier):
             raise ModelLoadError(
-                f"{path} was trained on embedding v{self.embedding_version}; this oomcast"
+                f"{path} was trained on embedding v{trained}; this oomcast"
                 f" computes v{EMBEDDING_VERSION}"
             )
         self.rule = AlertRule(
@@ -167,8 +169,10 @@ class OnnxForecaster:
         self._free: list[int] = list(range(63, -1, -1))
         self._horizons = np.asarray(self.horizons_s, dtype=np.float64)
         self._index = {h: i for i, h in enumerate(self.horizons_s)}
-        # the graph's input width: today's, or an earlier schema's that is its prefix
+        # the graph's input width: today's, or an earlier schema's that is its prefix; either
+        # way the forecaster reads today's vectors (from nodes, or computed here) and cuts them
         self._n_features = len(model_features)
+        self.embedding_version = EMBEDDING_VERSION
         self.recalibration: dict[int, tuple[float, float]] | None = None
         self._recal: tuple[np.ndarray, np.ndarray] | None = None
         if RECALIBRATION_KEY in meta:
@@ -353,8 +357,9 @@ class OnnxForecaster:
         return self._forecasts(risk, self._ttos(risk, tto[:, -1]), samples[-1:])[0]
 
     def _ttos(self, risk: np.ndarray, tto: np.ndarray) -> list[float | None]:
-        """The time to OOM from the network's own head, where the risk within the longest
-        horizon says an OOM is in sight (else None), per row."""
+        """The graph's time to OOM (the straight line's where it holds, else the survival
+        curve's median), where the risk within the longest horizon says an OOM is in sight
+        (else None), per row."""
         floor = self.tto_min_risk
         return [
             float(t) if r >= floor else None
@@ -372,6 +377,12 @@ class OnnxForecaster:
             new(cls, (RiskRow(index, row), tto, sample.ts, version))
             for row, tto, sample in zip(risk.tolist(), ttos, samples, strict=True)
         ]
+
+    @property
+    def n_features(self) -> int:
+        """The width of the graph's input: today's schema's, or an earlier schema's that is
+        its prefix (feed it ``x[..., :n_features]``)."""
+        return self._n_features
 
     @property
     def metadata_features(self) -> list[str]:

@@ -354,6 +354,10 @@ def parse_event(obj: dict[str, Any]) -> Event:
         from oomcast.model.events import parse_schedule
 
         return parse_schedule(obj)
+    if name == "arrival":
+        from oomcast.model.events import parse_arrival
+
+        return parse_arrival(obj)
     return Event(
         ts=_ts(obj),
         node=_name(obj, "node"),

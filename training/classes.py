@@ -29,11 +29,16 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+# a neighbour whose arrival a scheduler announced first (POST /v1/admit, an ``arrival``
+# event): the manifest's ``neighbour`` entries with ``announced`` true
+ANNOUNCED_NEIGHBOUR = "neighbour_announced"
 # causes whose OOM comes from one step: the simulator's families and the corpora's causes
 SUDDEN_CAUSES = ("eval_no_grad", "optimizer_state", "checkpoint_spike", "neighbour",
-                 "step_scale", "step_up", "eval_spike", "checkpoint")  # fmt: skip
-# of those, another process arriving on the device; the others are the job's own steps
-NEIGHBOUR_CAUSES = ("neighbour",)
+                 ANNOUNCED_NEIGHBOUR, "step_scale", "step_up", "eval_spike",
+                 "checkpoint")  # fmt: skip
+# of those, another process arriving on the device (announced through POST /v1/admit or
+# not); the others are the job's own steps
+NEIGHBOUR_CAUSES = ("neighbour", ANNOUNCED_NEIGHBOUR)
 STEP_CAUSES = tuple(c for c in SUDDEN_CAUSES if c not in NEIGHBOUR_CAUSES)
 OOM_CLASSES = ("oom_long", "oom_short", "oom_sudden", "oom_neighbour")
 LONG_AFTER_S = 60.0

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from oomcast.model.embedding import level_frac
-from oomcast.model.events import ScheduleEvent
+from oomcast.model.events import ArrivalEvent, ScheduleEvent
 from oomcast.model.forecast import Detector, Forecast, release_state
 from oomcast.model.phase import PhaseState, merge
 from oomcast.model.schema import Domain, Sample
@@ -50,7 +50,13 @@ from oomcast.model.trace import (
     find_traces,
     load_trace,
 )
-from oomcast.training.classes import STEP_CAUSES, ClassScore, format_classes, run_class
+from oomcast.training.classes import (
+    ANNOUNCED_NEIGHBOUR,
+    STEP_CAUSES,
+    ClassScore,
+    format_classes,
+    run_class,
+)
 from oomcast.training.progress import bar
 
 # Seconds before the OOM at which the time-to-OOM forecast is checked, latest last.
@@ -91,6 +97,8 @@ class TraceResult:
     first_ts: float = 0.0  # the run's first sample (on an OOM run: the OOM domain's)
     end_ts: float = 0.0  # the OOM, the exit, or the last sample
     max_level: float = 0.0  # the highest level of any domain, as a fraction of capacity
+    # an announced arrival on the OOM domain (an ``arrival`` event): when it was to land
+    lands_at: float | None = None
 
     @property
     def run_class(self) -> str:
@@ -125,6 +133,19 @@ class TraceResult:
             "class": self.run_class,
             "span_s": round(self.end_ts - self.first_ts, 3),
             "max_level": round(self.max_level, 4),
+            **({} if self.lands_at is None else self._arrival()),
+        }
+
+    def _arrival(self) -> dict[str, Any]:
+        """Where an arrival was announced: when it was to land, whether the OOM came after
+        it landed (the arrival's doing), and how long before it landed the first alert came
+        (negative: after)."""
+        assert self.lands_at is not None
+        alert = self.first_alert_ts
+        return {
+            "lands_at": self.lands_at,
+            "oom_after_landing": self.oom_ts is not None and self.oom_ts >= self.lands_at,
+            "alert_before_landing_s": None if alert is None else round(self.lands_at - alert, 3),
         }
 
 
@@ -185,12 +206,13 @@ class Score:
 
 class PhaseTrack:
     """The service's phase side of one domain (service/pipeline/phases.py), replayed over a trace:
-    the domain's ``schedule`` events are taken in as the samples' time reaches them (a
-    schedule of another job replaces the state; a sample of another job drops it), and each
-    forecast is merged with :meth:`PhaseState.forecast`'s as the live state merges it."""
+    the domain's ``schedule`` and ``arrival`` events are taken in as the samples' time
+    reaches them (a schedule of another job replaces the state; a sample of another job
+    drops it; announced arrivals, the GPU's, stay), and each forecast is merged with
+    :meth:`PhaseState.forecast`'s as the live state merges it."""
 
-    def __init__(self, schedules: Sequence[ScheduleEvent]) -> None:
-        self.pending = sorted(schedules, key=lambda e: e.ts)
+    def __init__(self, events: Sequence[ScheduleEvent | ArrivalEvent]) -> None:
+        self.pending = sorted(events, key=lambda e: e.ts)
         self.state: PhaseState | None = None
         self.job: str | None = None
 
@@ -198,13 +220,18 @@ class PhaseTrack:
         while self.pending and self.pending[0].ts <= sample.ts:
             event = self.pending.pop(0)
             st = self.state
+            if isinstance(event, ArrivalEvent):
+                if st is None:
+                    st = self.state = PhaseState()
+                st.on_arrival(event)
+                continue
             if st is None or (st.schedule is not None and st.schedule.job != event.job):
-                st = self.state = PhaseState()
+                st = self.state = (st.carried() if st is not None else None) or PhaseState()
             st.on_schedule(event)
         if sample.job is not None and self.job is not None and sample.job != self.job:
             st = self.state  # another job: the schedule goes, unless it is the new job's
             if st is not None and (st.schedule is None or st.schedule.job != sample.job):
-                self.state = None
+                self.state = st.carried()
         if sample.job is not None:
             self.job = sample.job
         if self.state is None:
@@ -214,9 +241,13 @@ class PhaseTrack:
         return merged
 
 
-def schedules_of(trace: Trace, domain: Domain) -> list[ScheduleEvent]:
-    """The domain's ``schedule`` events, in time order."""
-    out = [e for e in trace.events if isinstance(e, ScheduleEvent) and e.domain == domain]
+def schedules_of(trace: Trace, domain: Domain) -> list[ScheduleEvent | ArrivalEvent]:
+    """The domain's ``schedule`` and ``arrival`` events, in time order."""
+    out = [
+        e
+        for e in trace.events
+        if isinstance(e, ScheduleEvent | ArrivalEvent) and e.domain == domain
+    ]
     return sorted(out, key=lambda e: e.ts)
 
 
@@ -225,7 +256,7 @@ def scan_domain(
     samples: list[Sample],
     until_ts: float | None,
     tto_at_s: Sequence[int] = (),
-    schedules: Sequence[ScheduleEvent] = (),
+    schedules: Sequence[ScheduleEvent | ArrivalEvent] = (),
 ) -> tuple[float | None, dict[int, tuple[float, float | None]]]:
     """One pass of the detector over a domain's samples (those before ``until_ts``, when
     given). Returns the ts of the first sample at which it fires, and, for each ``h`` of
@@ -268,7 +299,7 @@ def first_alert_ts(
     detector: Detector,
     samples: list[Sample],
     until_ts: float | None,
-    schedules: Sequence[ScheduleEvent] = (),
+    schedules: Sequence[ScheduleEvent | ArrivalEvent] = (),
 ) -> float | None:
     """ts of the first sample (before ``until_ts``, when given) at which the detector fires."""
     return scan_domain(detector, samples, until_ts, schedules=schedules)[0]
@@ -281,7 +312,7 @@ def score_trace(
     forecasts merged with the phase forecaster's where the trace has schedules."""
     name = Path(trace.path).name
 
-    def scheds(domain: Domain) -> list[ScheduleEvent]:
+    def scheds(domain: Domain) -> list[ScheduleEvent | ArrivalEvent]:
         return schedules_of(trace, domain) if phases else []
 
     starts = [ss[0].ts for ss in trace.samples.values() if ss]
@@ -304,8 +335,11 @@ def score_trace(
         alert, at = scan_domain(detector, samples, oom_ts, TTO_AT_S, scheds(domain))
         tto = {h: (at[h][1], oom_ts - at[h][0]) for h in TTO_AT_S if h in at}
         first_ts = samples[0].ts if samples else oom_ts
+        lands = [e.lands_at for e in trace.events
+                 if isinstance(e, ArrivalEvent) and e.domain == domain]  # fmt: skip
         result = TraceResult(name, detector.name, True, oom_ts, alert, False, tto, cause,
-                             first_ts=first_ts, end_ts=oom_ts, max_level=top)  # fmt: skip
+                             first_ts=first_ts, end_ts=oom_ts, max_level=top,
+                             lands_at=min(lands, default=None))  # fmt: skip
         if chosen is None or _scores_better(result, chosen):
             chosen = result
     if chosen is not None:
@@ -358,6 +392,8 @@ class Causes:
                         cause = next(
                             (entry[k] for k in CAUSE_KEYS if isinstance(entry.get(k), str)), None
                         )
+                        if cause == "neighbour" and entry.get("announced") is True:
+                            cause = ANNOUNCED_NEIGHBOUR  # its arrival went through admit
                         if cause:
                             causes[(folder / entry["file"]).resolve()] = cause
             self._manifests[folder] = causes
@@ -415,7 +451,8 @@ def evaluate(
         for path in bar(paths, total=len(paths), desc="evaluate", unit="trace", show=progress):
             trace = _prepared(path, view, resample_s)
             cause = causes.of(path) if causes is not None else None
-            if with_phases and any(isinstance(e, ScheduleEvent) for e in trace.events):
+            phased = (ScheduleEvent, ArrivalEvent)
+            if with_phases and any(isinstance(e, phased) for e in trace.events):
                 phase_traces += 1
             for det in dets:
                 result = score_trace(det, trace, cause, phases=with_phases)

@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
-from oomcast.model.embedding import FEATURES
+from oomcast.model.embedding import EMBEDDING_VERSION, FEATURES, N_FEATURES
 from oomcast.model.forecast import rule_fire_risk
 from oomcast.model.network import (
     BRINK_LEVEL,
     GATE_GROWTH_S,
     PLATEAU_MARGIN,
     RETRIES_LEVEL,
+    STRAIGHT,
     SequenceModule,
 )
 from oomcast.training.train import load_checkpoint
@@ -40,7 +41,9 @@ def export(
     cfg = net.cfg
     step = SequenceModule(net).eval()
     batch = 2
-    x = torch.zeros(batch, 3, cfg.n_features)
+    # today's schema in: a network trained on an earlier one (a prefix) reads its own part,
+    # and the straight line reads the rest
+    x = torch.zeros(batch, 3, N_FEATURES)
     h = torch.zeros(cfg.layers, batch, cfg.hidden)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -70,7 +73,7 @@ def export(
     meta = {
         "oomcast.version": version,
         "oomcast.horizons_s": json.dumps(list(cfg.horizons_s)),
-        "oomcast.embedding_version": str(cfg.embedding_version),
+        "oomcast.embedding_version": str(EMBEDDING_VERSION),
         "oomcast.features": json.dumps(list(FEATURES)),
         "oomcast.layers": str(cfg.layers),
         "oomcast.hidden": str(cfg.hidden),
@@ -78,6 +81,8 @@ def export(
         "oomcast.tick_s": str(cfg.tick_s),
         "oomcast.tto_min_risk": str(min(0.5, rule_fire_risk(ckpt["rule"]))),
         "oomcast.bins_s": json.dumps(list(cfg.bins_s)),
+        "oomcast.straight": json.dumps(STRAIGHT),
+        "oomcast.network_features": str(cfg.n_features),
         "oomcast.gate": json.dumps(
             {
                 "growth_s": GATE_GROWTH_S,

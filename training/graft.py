@@ -36,7 +36,9 @@ from torch import nn
 from oomcast.model.embedding import EMBEDDING_VERSION, FEATURES
 from oomcast.model.network import STRAIGHT, evidence_gate, straight_line
 
-_KEEP = ("x", "risk_net", "tto_net", "risk", "tto_s")
+# the old network's outputs and its slice of x, inside the grafted graph
+X_NET, RISK_NET, TTO_NET = "graft/x", "graft/risk", "graft/tto_s"
+_KEEP = ("x", RISK_NET, TTO_NET, "risk", "tto_s")
 
 
 class Tail(nn.Module):
@@ -70,7 +72,7 @@ def _tail_graph(horizons_s: tuple[int, ...], n_horizons: int) -> Any:
                 Tail(horizons_s).eval(),
                 (x, risk, tto),
                 str(path),
-                input_names=["x", "risk_net", "tto_net"],
+                input_names=["x", RISK_NET, TTO_NET],
                 output_names=["risk", "tto_s"],
                 dynamic_axes={n: {0: "batch", 1: "time"} for n in _KEEP},
                 opset_version=17,
@@ -89,22 +91,33 @@ def graft(src: Path | str, out: Path | str, version: str) -> Path:
     model = onnx.load_from_string(raw)
     meta = {p.key: p.value for p in model.metadata_props}
     old_features = json.loads(meta.get("oomcast.features", "[]"))
-    if "oomcast.straight" in meta:
-        raise ValueError(f"{src} already has the straight-line tail")
+    if "oomcast.straight" in meta or old_features == list(FEATURES):
+        raise ValueError(f"{src} already has the straight-line tail (today's schema)")
     if not old_features or list(FEATURES[: len(old_features)]) != old_features:
         raise ValueError(f"{src}: its features are not a prefix of today's schema")
+    if "oomcast.recalibration" in meta:
+        raise ValueError(
+            f"{src} carries a recalibration fitted on the network's risk alone; graft the file"
+            " it was refitted from, then run oomcast recalibrate on the grafted one"
+        )
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    if opset != 17:
+        raise ValueError(f"{src}: opset {opset}; the tail is exported at opset 17")
     horizons = tuple(int(h) for h in json.loads(meta["oomcast.horizons_s"]))
     g = model.graph
     for node in g.node:
-        node.input[:] = ["x_net" if i == "x" else i for i in node.input]
-        node.output[:] = [{"risk": "risk_net", "tto_s": "tto_net"}.get(o, o) for o in node.output]
+        node.input[:] = [X_NET if i == "x" else i for i in node.input]
+        node.output[:] = [{"risk": RISK_NET, "tto_s": TTO_NET}.get(o, o) for o in node.output]
     keep = helper.make_tensor("graft/keep", onnx.TensorProto.INT64, [1], [len(old_features)])
     zero = helper.make_tensor("graft/zero", onnx.TensorProto.INT64, [1], [0])
     axis = helper.make_tensor("graft/axis", onnx.TensorProto.INT64, [1], [2])
     g.initializer.extend([keep, zero, axis])
-    cut = helper.make_node("Slice", ["x", "graft/zero", "graft/keep", "graft/axis"], ["x_net"])
+    cut = helper.make_node("Slice", ["x", "graft/zero", "graft/keep", "graft/axis"], [X_NET])
     g.node.insert(0, cut)
-    g.input[0].type.tensor_type.shape.dim[2].dim_value = len(FEATURES)
+    x_in = next((i for i in g.input if i.name == "x"), None)
+    if x_in is None:
+        raise ValueError(f"{src}: its graph has no input named x")
+    x_in.type.tensor_type.shape.dim[2].dim_value = len(FEATURES)
 
     tail = _tail_graph(horizons, len(horizons)).graph
 
@@ -134,6 +147,7 @@ def graft(src: Path | str, out: Path | str, version: str) -> Path:
                     "network_features": len(old_features),
                 }
             ),
+            "oomcast.network_features": str(len(old_features)),
         }
     )
     del model.metadata_props[:]

@@ -222,7 +222,7 @@ def network_risks(fc: OnnxForecaster, seqs: Iterable[Seq]) -> list[np.ndarray]:
     zeros = np.zeros((fc.layers, 1, fc.hidden), np.float32)
     out = []
     for s in seqs:
-        x = np.ascontiguousarray(s.x[None], dtype=np.float32)
+        x = np.ascontiguousarray(s.x[None, :, : fc.n_features], dtype=np.float32)
         risk = fc.session.run(None, {"x": x, "h": zeros, "c": zeros})[0]
         out.append(np.asarray(risk[0], dtype=np.float32))
     return out

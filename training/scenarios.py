@@ -24,7 +24,10 @@ the phase needs above the level before it, and the first optimizer step's absolu
 for the others none; then, after each occurrence that needs more than the figure so far,
 the figure the CUDA hook measured (the allocator's allocated peak over the phase less the
 allocated bytes before it). ``neighbour`` jobs announce nothing: the arrival of another
-process on the GPU is not the job's to know.
+process on the GPU is not the job's to know. But the scheduler that places the neighbour
+may have asked first: for a share of the neighbour traces (the same ``announce_share``) an
+``arrival`` event, as ``POST /v1/admit`` with ``arrives_in_s`` records one, comes 10-120 s
+before the neighbour starts.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oomcast.model.events import SCHEDULED_PHASES, ScheduleEvent
+from oomcast.model.events import ARRIVAL, SCHEDULED_PHASES, ArrivalEvent, ScheduleEvent
 from oomcast.model.schema import Event, Record, Sample
 from oomcast.training.allocator import CachingAllocatorSim, SimOutOfMemory
 from oomcast.training.capture import CAPTURES, AllocationLog, Op, cached_capture
@@ -516,6 +519,9 @@ def simulate_scenario(
                 job=oom_job,
             )
         )
+    arrival = None
+    if p.family == "neighbour" and _announced(p, announce_share):
+        records, arrival = _with_arrival(records, run, p, start_ts)
     stats = run.alloc.stats()
     summary = {
         "ooms": oom_t is not None,
@@ -525,9 +531,34 @@ def simulate_scenario(
         "peak_reserved_gib": round(max(run.peak_reserved, stats.peak_reserved_bytes) / GIB, 3),
         "num_alloc_retries": stats.num_alloc_retries,
         "schedule": p.family in SCHEDULED,
-        "announced": p.family in SCHEDULED and announced,
+        "announced": (p.family in SCHEDULED and announced) or arrival is not None,
     }
+    if arrival is not None:
+        summary["arrival_announced_s_before"] = round(arrival.lands_at - arrival.ts, 3)
     return records, summary
+
+
+def _with_arrival(
+    records: list[Record], run: _Run, p: ScenarioParams, start_ts: float
+) -> tuple[list[Record], ArrivalEvent]:
+    """The neighbour's arrival as a scheduler announces it through ``POST /v1/admit``: an
+    ``arrival`` event 10-120 s before the neighbour starts (never before the trace's first
+    sample), naming what it will take (its whole share of the GPU). Drawn from a generator
+    of its own, so the samples are those of the same scenario unannounced."""
+    r = random.Random(f"arrival:{p.seed}")
+    lands_at = round(start_ts + p.extra["arrive_s"], 3)
+    at = round(max(start_ts, lands_at - r.uniform(10.0, 120.0)), 3)
+    event = ArrivalEvent(
+        ts=at,
+        node=run.node,
+        device=run.device,
+        event=ARRIVAL,
+        job=f"neighbour-of-{run.job}",
+        need_bytes=int(p.extra["neighbour_frac"] * run.total),
+        lands_at=lands_at,
+    )
+    i = next((k for k, rec in enumerate(records) if rec.ts > at), len(records))
+    return [*records[:i], event, *records[i:]], event
 
 
 def _every_steps(every_s: float | None, step_s: float) -> int | None:

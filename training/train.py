@@ -81,7 +81,8 @@ def predict_sequences(
 ) -> list[np.ndarray]:
     """Risk (time, H) for every sequence, run from its first tick as the service would
     (calibrated and passed through the evidence gate); ``raw``: log survival before
-    calibration and gate instead; ``tto``: seconds to OOM (time,), the curve's median."""
+    calibration and gate instead; ``tto``: seconds to OOM (time,) as served (``served``: the
+    straight line's where it holds, else the curve's median)."""
     net.eval()
     out: list[np.ndarray] = []
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].x))

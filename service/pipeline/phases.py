@@ -1,15 +1,16 @@
 """The live state's side of phase-aware forecasts (docs/phases.md): a domain whose job
-announced a schedule (a ``schedule`` event) has a :class:`~oomcast.model.phase.PhaseState`,
+announced a schedule (a ``schedule`` event), or on which a scheduler announced an arriving
+job (``POST /v1/admit`` with ``arrives_in_s``), has a :class:`~oomcast.model.phase.PhaseState`,
 and each of its forecasts is the LSTM's merged with the phase forecast
-(:func:`oomcast.model.phase.merge`) before the rules see it. Domains without a schedule
-never reach this module: the live state checks ``st.phases is None`` and goes on.
+(:func:`oomcast.model.phase.merge`) before the rules see it. Other domains never reach this
+module: the live state checks ``st.phases is None`` and goes on.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from oomcast.model.events import ScheduleEvent
+from oomcast.model.events import ArrivalEvent, ScheduleEvent
 from oomcast.model.forecast import Forecast
 from oomcast.model.phase import PhaseState, merge
 from oomcast.model.schema import Sample
@@ -20,11 +21,19 @@ if TYPE_CHECKING:
 
 def on_schedule(st: DomainState, event: ScheduleEvent) -> None:
     """Keep the job's schedule on its domain (a repeated one refreshes it)."""
-    if st.phases is None or (
-        st.phases.schedule is not None and st.phases.schedule.job != event.job
-    ):
-        st.phases = PhaseState()  # first schedule of the domain, or another job's
+    if st.phases is None:
+        st.phases = PhaseState()  # the domain's first schedule
+    elif st.phases.schedule is not None and st.phases.schedule.job != event.job:
+        st.phases = st.phases.carried() or PhaseState()  # another job's: arrivals stay
     st.phases.on_schedule(event)
+
+
+def on_arrival(st: DomainState, event: ArrivalEvent) -> None:
+    """Keep an announced arrival on its GPU's domain (``POST /v1/admit``): from the next
+    sample on, the domain's forecast says whether it will fit."""
+    if st.phases is None:
+        st.phases = PhaseState()
+    st.phases.on_arrival(event)
 
 
 def phase_step(st: DomainState, sample: Sample, fc: Forecast) -> Forecast:
@@ -45,7 +54,7 @@ def forget_job(st: DomainState, job: str | None) -> None:
     already is the new job's (it may come before the new job's first sample)."""
     phases = st.phases
     if phases is not None and (phases.schedule is None or phases.schedule.job != job):
-        st.phases = None
+        st.phases = phases.carried()  # announced arrivals are the GPU's: they stay
     st.cause = None
     st.phase_forecast = None
     st.first = None  # the next sample is the new job's first

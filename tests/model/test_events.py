@@ -97,3 +97,23 @@ def test_as_a_detailed_event_it_keeps_every_key() -> None:
 def test_detailed_events_may_not_redefine_standard_keys() -> None:
     with pytest.raises(ValueError, match="standard keys"):
         DetailedEvent(T0, "n", "d", "x", extra={"ts": 1})
+
+
+def test_an_arrival_is_read_written_back_and_refused_naming_the_field() -> None:
+    from oomcast.model.events import ArrivalEvent, parse_arrival
+    from oomcast.model.schema import parse_event
+
+    raw: dict[str, Any] = {"ts": 1.5e9, "node": "n", "device": "gpu0", "event": "arrival"}
+    raw |= {"job": "b", "need_bytes": 10 << 30, "lands_at": 1.5e9 + 60}
+    raw["resident_peak_bytes"] = 5 << 30
+    ev = parse_event(raw)
+    assert isinstance(ev, ArrivalEvent) and ev.to_dict() == raw
+    assert ev.need_bytes == 10 << 30 and ev.lands_at == 1.5e9 + 60
+    bare = {k: v for k, v in raw.items() if k not in ("job", "resident_peak_bytes")}
+    assert parse_arrival(bare).resident_peak_bytes is None and parse_arrival(bare).job is None
+    for key, value in (("need_bytes", 0), ("need_bytes", True), ("lands_at", "soon"),
+                       ("lands_at", float("nan")), ("resident_peak_bytes", -1)):  # fmt: skip
+        with pytest.raises(SchemaError, match=key):
+            parse_arrival({**raw, key: value})
+    with pytest.raises(SchemaError, match="need_bytes"):
+        parse_arrival({k: v for k, v in raw.items() if k != "need_bytes"})

@@ -373,3 +373,66 @@ def test_an_announced_peak_is_dropped_once_its_phase_has_run_or_been_measured() 
 def test_a_damaged_peak_or_load_in_a_snapshot_is_refused(damage: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         PhaseState.from_dict(PhaseState().to_dict() | damage)
+
+
+def arrival(need: int, lands_at: float, peak: int | None = None, job: str = "b") -> Any:
+    from oomcast.model.events import ArrivalEvent
+
+    return ArrivalEvent(T0, "n1", "cuda0", "arrival", job, need_bytes=need, lands_at=lands_at,
+                        resident_peak_bytes=peak)  # fmt: skip
+
+
+def test_an_announced_arrival_that_will_not_fit_is_forecast_until_just_after_it_lands() -> None:
+    st = PhaseState()  # no schedule: an arrival is the GPU's, not the job's
+    st.on_arrival(arrival(HEADROOM + GIB, T0 + 60))
+    pf = st.forecast(sample(None, ts=T0 + 10))
+    assert pf is not None and pf.phase == "arrival" and pf.cause == "phase:arrival"
+    assert pf.time_to_oom_s == pytest.approx(50.0) and pf.headroom_bytes == HEADROOM
+    merged, cause = merge(calm(), pf)
+    assert cause == "phase:arrival" and merged.risk_at(60) == PHASE_RISK
+    assert merged.risk_at(45) < 0.5  # it lands in 50 s: not within 45
+    assert st.forecast(sample(None, ts=T0 + 80)) is not None  # landed, ramping up
+    assert st.forecast(sample(None, ts=T0 + 91)) is None and not st.arrivals  # 30 s after
+    # one that fits warns nobody; a peak the residents reached before counts against it
+    st.on_arrival(arrival(HEADROOM - GIB, T0 + 60))
+    assert st.forecast(sample(None, ts=T0 + 10)) is None
+    st.on_arrival(arrival(HEADROOM - GIB, T0 + 60, peak=USED + 2 * GIB))
+    assert st.forecast(sample(None, ts=T0 + 10)) is not None
+
+
+def test_the_earliest_of_an_arrival_and_a_phase_is_forecast_and_arrivals_outlive_the_job() -> None:
+    st = PhaseState()
+    st.on_schedule(schedule({"eval": HEADROOM + GIB}, eval_every_steps=100))
+    run(st, range(0, 10))  # step 9 at T0 + 9: the eval comes in 91 s
+    st.on_arrival(arrival(HEADROOM + GIB, T0 + 30))
+    pf = st.forecast(sample(9))
+    assert pf is not None and pf.phase == "arrival" and pf.time_to_oom_s == pytest.approx(21.0)
+    st.on_arrival(arrival(HEADROOM + GIB, T0 + 200))  # the same job, announced again: later
+    pf = st.forecast(sample(9))
+    assert pf is not None and pf.phase == "eval" and len(st.arrivals) == 1
+    kept = st.carried()
+    assert kept is not None and kept.schedule is None and kept.arrivals == st.arrivals
+    assert PhaseState().carried() is None
+    # and the announcement travels with the domain's snapshot; a damaged one is refused
+    back = PhaseState.from_dict(st.to_dict())
+    assert back.arrivals == st.arrivals
+    bad = st.to_dict()
+    bad["arrivals"] = [{"job": "b", "lands_at": "soon", "need_bytes": 1}]
+    with pytest.raises(ValueError, match="lands_at"):
+        PhaseState.from_dict(bad)
+
+
+def test_after_it_lands_an_arrival_is_not_judged_again_on_top_of_its_own_memory() -> None:
+    st = PhaseState()
+    st.on_arrival(arrival(HEADROOM - GIB, T0 + 60))  # fits beside 60 GiB
+    assert st.forecast(sample(None, ts=T0 + 59)) is None
+    # it landed and ramps up: the level has its memory now, which must not count twice
+    assert st.forecast(sample(None, ts=T0 + 65, used_bytes=USED + 6 * GIB)) is None
+    assert not st.arrivals
+    # one that did not fit when it landed stays forecast while its memory ramps up
+    st.on_arrival(arrival(HEADROOM + GIB, T0 + 60, job="c"))
+    assert st.forecast(sample(None, ts=T0 + 59)) is not None
+    ramp = st.forecast(sample(None, ts=T0 + 70, used_bytes=USED + 6 * GIB))
+    assert ramp is not None and ramp.time_to_oom_s == 0.0
+    back = PhaseState.from_dict(st.to_dict())  # the verdict travels with the snapshot
+    assert back.unfit == {"c"} and back.forecast(sample(None, ts=T0 + 75)) is not None

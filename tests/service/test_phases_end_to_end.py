@@ -201,3 +201,63 @@ def test_the_in_job_hooks_schedule_reaches_the_service_and_warns(
         devices = {d["node"]: d for d in c.get("/v1/devices").json()["devices"]}
         assert not (devices["n-hook-fits"]["cause"] or "").startswith("phase:")
         assert not devices["n-hook-fits"]["alert"]["firing"]
+
+
+def _plain(node: str, i: int) -> dict[str, Any]:
+    """A GPU as the node agent reports it (NVML: no step, no phase), flat at 60%."""
+    return {"ts": T0 + i, "node": node, "device": "gpu0", "kind": "gpu", "total_bytes": TOTAL,
+            "used_bytes": USED, "job": f"train-{node}"}  # fmt: skip
+
+
+@pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)
+def test_an_announced_arrival_that_will_not_fit_warns_the_running_job_before_it_lands(
+    redis_url: str, key_prefix: str, rclient: redis.Redis, webhook_receiver: Any
+) -> None:
+    """A scheduler places a job through ``POST /v1/admit`` with ``arrives_in_s``: the job
+    already on that GPU is warned before the arrival lands, as soon as the landing is
+    within its alert rule's horizon, with the cause and a remedy; on a GPU where the
+    arrival fits, nothing fires."""
+    keys = Keys(key_prefix, 2)
+    settings = Settings(
+        redis_url=redis_url, key_prefix=key_prefix, partitions=2, consumer_name="arrival-e2e",
+        forecaster="model", webhook_url=webhook_receiver.url,
+        webhook_secret="arrival-e2e-secret", max_ts_skew_s=0,
+    )  # fmt: skip
+    with TestClient(create_app(settings)) as c:
+        assert wait_until(lambda: c.get("/readyz").status_code == 200)
+        for node in ("n-full", "n-room"):
+            payloads = [_plain(node, i) for i in range(30)]
+            rclient.xadd(keys.samples_for(node), encode_samples(node, payloads))  # type: ignore[arg-type]
+
+        def seen(node: str) -> int:
+            r = c.get(f"/v1/devices/{node}/gpu0", params={"history": 0})
+            return int(r.json()["samples_seen"]) if r.status_code == 200 else 0
+
+        assert wait_until(lambda: seen("n-full") == 30 and seen("n-room") == 30)
+        assert not webhook_receiver.requests  # a flat line: nothing yet
+        big, small = HEADROOM + 4 * GIB, HEADROOM - 4 * GIB
+        answers = {}
+        for node, peak in (("n-full", big), ("n-room", small)):
+            body = {"node": node, "device": "gpu0", "job": f"new-{node}", "arrives_in_s": 90,
+                    "profile": {"peak_reserved_bytes": peak, "context_bytes": 0}}  # fmt: skip
+            r = c.post("/v1/admit", json=body)
+            assert r.status_code == 200, r.text
+            answers[node] = r.json()
+        assert answers["n-full"]["fits"] is False and answers["n-room"]["fits"] is True
+        lands = T0 + 29 + 90  # on the domain's clock: its newest sample's ts plus 90 s
+        assert answers["n-full"]["announced"] == {"job": "new-n-full", "lands_at": lands}
+        for node in ("n-full", "n-room"):
+            payloads = [_plain(node, i) for i in range(30, 100)]
+            rclient.xadd(keys.samples_for(node), encode_samples(node, payloads))  # type: ignore[arg-type]
+        assert wait_until(lambda: seen("n-full") == 100 and seen("n-room") == 100)
+        firing = webhook_receiver.wait_for(lambda r: r["json"]["status"] == "firing")
+        assert firing, c.get("/v1/alerts").text
+        assert {r["json"]["node"] for r in firing} == {"n-full"}
+        alert = firing[0]["json"]
+        horizon = OnnxForecaster().rule.horizon_s  # the landing comes inside it: the alert
+        assert alert["cause"] == "phase:arrival"
+        assert alert["observed_at"] == lands - horizon  # ... before it lands
+        assert alert["time_to_oom_s"] == pytest.approx(horizon, abs=0.5)
+        assert any("place it on another GPU" in r for r in alert["remedies"])
+        room = c.get("/v1/devices/n-room/gpu0", params={"history": 0}).json()
+        assert not room["alert"]["firing"] and room["cause"] is None

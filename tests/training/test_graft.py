@@ -134,13 +134,41 @@ def test_the_grafted_model_is_todays_export_of_the_same_network(
     assert json.loads(meta["oomcast.rule"]) == {"horizon_s": 45, "threshold": 0.3}
 
 
-def test_a_model_grafted_already_or_of_another_schema_is_refused(
+def test_todays_export_of_an_earlier_schemas_network_is_the_grafted_file(
+    old_model: tuple[Path, OOMForecastNet], tmp_path: Path
+) -> None:
+    from oomcast.training.export import export
+    from oomcast.training.train import ScoredRule, save_checkpoint
+
+    path, net = old_model
+    save_checkpoint(tmp_path / "c.pt", net, ScoredRule(45, 0.3, 0.9, 0.95, 0.01), epoch=1)
+    exported = OnnxForecaster(export(tmp_path / "c.pt", tmp_path / "e.onnx", version="e-1"))
+    grafted = OnnxForecaster(graft(path, tmp_path / "g.onnx", "g-1"))
+    assert exported.n_features == grafted.n_features == len(FEATURES)  # x: today's schema
+    x = _embedded([t / 60.0 for t in range(45)])[None]
+    h = np.zeros((2, 1, 64), np.float32)
+    a = exported.session.run(None, {"x": x, "h": h, "c": h})
+    b = grafted.session.run(None, {"x": x, "h": h, "c": h})
+    assert all(np.allclose(u, v, atol=1e-5) for u, v in zip(a, b, strict=True))
+    assert json.loads(exported.metadata["oomcast.straight"]) == STRAIGHT
+    # an export of today's schema is refused by the graft: it has the line already
+    with pytest.raises(ValueError, match="already has the straight-line tail"):
+        graft(tmp_path / "e.onnx", tmp_path / "x.onnx", "x-1")
+
+
+def test_a_model_grafted_already_recalibrated_or_of_another_schema_is_refused(
     old_model: tuple[Path, OOMForecastNet], tmp_path: Path
 ) -> None:
     path, _ = old_model
     once = graft(path, tmp_path / "once.onnx", "new-1")
     with pytest.raises(ValueError, match="already has the straight-line tail"):
         graft(once, tmp_path / "twice.onnx", "new-2")
+    model = onnx.load(str(path))
+    entry = model.metadata_props.add()
+    entry.key, entry.value = "oomcast.recalibration", "{}"
+    onnx.save(model, str(tmp_path / "recal.onnx"))
+    with pytest.raises(ValueError, match="recalibration fitted on the network's risk alone"):
+        graft(tmp_path / "recal.onnx", tmp_path / "r.onnx", "new-4")
     model = onnx.load(str(path))
     for p in model.metadata_props:
         if p.key == "oomcast.features":
@@ -173,7 +201,7 @@ def test_a_model_of_the_earlier_schema_still_loads_and_reads_its_own_features(
 
     path, _ = old_model
     fc = OnnxForecaster(path)
-    assert fc.embedding_version == 6
+    assert fc.trained_embedding_version == 6 and fc.embedding_version == EMBEDDING_VERSION
     levels = [t / 60.0 for t in range(50)]
     state = fc.init_state()
     got = [fc.step([state], [_sample(t, v)])[0] for t, v in enumerate(levels)]
@@ -189,3 +217,44 @@ def test_a_model_of_the_earlier_schema_still_loads_and_reads_its_own_features(
     onnx.save(model, str(older))
     with pytest.raises(ModelLoadError, match="trained on embedding v5; this oomcast computes v7"):
         OnnxForecaster(older)
+
+
+def test_an_earlier_schemas_model_takes_the_nodes_vectors_for_many_domains_at_once(
+    old_model: tuple[Path, OOMForecastNet],
+) -> None:
+    """The service hands a batch of domains with the embeddings their nodes sent (today's
+    schema, which ``embedding_version`` says the model reads): the same forecasts as when the
+    forecaster computes them itself, each row cut to the network's 45."""
+    from oomcast.model.forecast import embedding_version
+
+    path, _ = old_model
+    fc = OnnxForecaster(path)
+    assert embedding_version(fc) == EMBEDDING_VERSION  # so decode keeps the nodes' vectors
+    curves = [[t / 60.0 for t in range(40)], [0.5] * 40, [0.2 + t / 200.0 for t in range(40)]]
+    nodes = [EmbeddingState() for _ in curves]
+    sent, local = [fc.init_state() for _ in curves], [fc.init_state() for _ in curves]
+    for t in range(40):
+        batch = [_sample(t, c[t]) for c in curves]
+        rows = [e.embed(s) for e, s in zip(nodes, batch, strict=True)]
+        _, with_rows, _ = fc.step_arrays(sent, batch, rows)
+        _, computed, _ = fc.step_arrays(local, batch)
+        assert np.allclose(with_rows, computed, atol=1e-6), t
+
+
+def test_an_earlier_schemas_model_serves_a_window_and_a_recalibration_run(
+    old_model: tuple[Path, OOMForecastNet],
+) -> None:
+    """``POST /v1/predict``'s stateless path and ``oomcast recalibrate``'s pass over whole
+    sequences feed today's vectors too: both cut them to the network's width."""
+    from types import SimpleNamespace
+
+    from oomcast.training.recalibrate import network_risks
+
+    path, _ = old_model
+    fc = OnnxForecaster(path)
+    samples = [_sample(t, t / 60.0) for t in range(40)]
+    stepped = fc.window(samples)[-1]
+    assert fc.window_last(samples).risk == pytest.approx(stepped.risk, abs=1e-5)
+    seq = SimpleNamespace(x=_embedded([t / 60.0 for t in range(40)]))  # 48 wide
+    (risk,) = network_risks(fc, [seq])  # type: ignore[list-item]
+    assert risk.shape == (40, len(fc.horizons_s))

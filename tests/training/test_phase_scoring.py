@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from oomcast.model.events import ScheduleEvent
+from oomcast.model.events import ArrivalEvent, ScheduleEvent
 from oomcast.model.forecast import Detector
 from oomcast.model.runtime import DEFAULT_MODEL, OnnxForecaster
 from oomcast.model.schema import Event, Record, Sample
@@ -194,10 +194,11 @@ def test_no_alert_from_phases_when_the_scheduled_phases_fit(
 
 
 def strip_hook_fields(src: Path, dst: Path) -> None:
-    """The trace as the generator wrote it before it knew of steps, phases and schedules."""
+    """The trace as the generator wrote it before it knew of steps, phases, schedules and
+    announced arrivals."""
     records: list[Record] = []
     for r in load_trace(src).records():
-        if isinstance(r, ScheduleEvent):
+        if isinstance(r, ScheduleEvent | ArrivalEvent):
             continue
         records.append(replace(r, step=None, phase=None) if isinstance(r, Sample) else r)
     write_trace(dst, records)
@@ -227,7 +228,8 @@ def test_no_phases_gives_the_scores_of_traces_without_the_hooks_fields(
     assert sudden["oom_traces"] + sudden["ok_traces"] == 2
     assert "neighbour" in before["by_cause"]
     with_phases = evaluate([model], paths[new], 30, by_cause=True)
-    assert with_phases["phase_traces"] == 3  # the neighbour's job has no schedule
+    # the neighbour's job has no schedule, but its arrival was announced (announce_share 1)
+    assert with_phases["phase_traces"] == 4
 
 
 @pytest.mark.slow  # about 1 s or more (the fast tier leaves it out)

@@ -169,3 +169,41 @@ def test_an_announced_job_announces_its_first_steps_absolute_peak(cache: Path) -
     assert peak - extra > loaded // 2
     bare, _ = simulate_scenario(params, cache, announce_share=0.0)
     assert all(r.phase_peak_bytes == {} for r in bare if isinstance(r, ScheduleEvent))
+
+
+def test_an_announced_neighbour_is_the_same_run_with_an_arrival_before_it_lands(
+    cache: Path, tmp_path: Path
+) -> None:
+    from oomcast.model.events import ArrivalEvent
+    from oomcast.model.forecast import Detector
+    from oomcast.model.runtime import DEFAULT_MODEL, OnnxForecaster
+    from oomcast.training.evaluate import score_trace
+
+    params = draw_params("neighbour", 1)
+    records, summary = simulate_scenario(params, cache, announce_share=1.0)
+    bare, bare_summary = simulate_scenario(params, cache, announce_share=0.0)
+    arrivals = [r for r in records if isinstance(r, ArrivalEvent)]
+    assert len(arrivals) == 1 and not any(isinstance(r, ArrivalEvent) for r in bare)
+    assert [r for r in records if not isinstance(r, ArrivalEvent)] == bare  # the same run
+    arrival = arrivals[0]
+    start = next(r.ts for r in records if isinstance(r, Sample))
+    assert arrival.lands_at == pytest.approx(start + params.extra["arrive_s"], abs=1e-3)
+    assert 10.0 - 1e-3 <= arrival.lands_at - arrival.ts <= 120.0 + 1e-3 or arrival.ts == start
+    assert summary["announced"] and not bare_summary["announced"]
+    assert summary["arrival_announced_s_before"] == round(arrival.lands_at - arrival.ts, 3)
+    # the trace keeps it, and the shipped model with the phase forecasts merged in warns the
+    # running job before the neighbour lands; without the announcement, not before its OOM
+    write_trace(tmp_path / "a.jsonl", records)
+    write_trace(tmp_path / "b.jsonl", bare)
+    trace, plain = load_trace(tmp_path / "a.jsonl"), load_trace(tmp_path / "b.jsonl")
+    assert [e for e in trace.events if isinstance(e, ArrivalEvent)] == arrivals
+    fc = OnnxForecaster(DEFAULT_MODEL)
+    det = Detector("model", fc, fc.rule)
+    warned = score_trace(det, trace, "neighbour", phases=True)
+    assert warned.first_alert_ts is not None and warned.first_alert_ts < arrival.lands_at
+    line = warned.to_dict()  # what --per-trace writes
+    assert line["lands_at"] == arrival.lands_at and line["oom_after_landing"] is True
+    assert line["alert_before_landing_s"] == round(arrival.lands_at - warned.first_alert_ts, 3)
+    assert "lands_at" not in score_trace(det, plain, "neighbour", phases=True).to_dict()
+    unwarned = score_trace(det, plain, "neighbour", phases=True)
+    assert unwarned.first_alert_ts is None or unwarned.first_alert_ts > arrival.lands_at

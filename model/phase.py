@@ -219,12 +219,12 @@ class PhaseState:
             ev = parse_arrival({**check, **raw, "event": "arrival"})
             state.on_arrival(ev)
             if raw.get("unfit") is True:
-                state.unfit.add(ev.job if ev.job is not None else f"@{ev.lands_at:.3f}")
+                state.unfit.add(_arrival_key(ev))
         return state
 
     def on_arrival(self, event: ArrivalEvent) -> None:
         """An announced arrival (a repeated one, of the same job, replaces the first)."""
-        job = event.job if event.job is not None else f"@{event.lands_at:.3f}"
+        job = _arrival_key(event)
         self.arrivals.pop(job, None)
         self.unfit.discard(job)
         self.arrivals[job] = (event.lands_at, event.need_bytes, event.resident_peak_bytes or 0)
@@ -434,6 +434,11 @@ class PhaseState:
             return step_s
         rate = (level - level0) / elapsed
         return remaining / rate + step_s
+
+
+def _arrival_key(event: ArrivalEvent) -> str:
+    """What an announced arrival is kept under: its job, else its landing time."""
+    return event.job if event.job is not None else f"@{event.lands_at:.3f}"
 
 
 def merge(fc: Forecast, phase: PhaseForecast | None) -> tuple[Forecast, str | None]:

@@ -110,6 +110,12 @@ class Settings(BaseSettings):
     alert_resolve_after: int = Field(
         default=3, ge=1, description="consecutive samples below resolve_risk"
     )
+    alert_resolve_after_s: float = Field(
+        default=30.0,
+        ge=0,
+        le=86400,
+        description="and the calm lasting at least this many seconds (by the samples' times)",
+    )
 
     webhook_url: str | None = None
     webhook_secret: SecretStr | None = None

@@ -74,7 +74,14 @@ def alert_policy(settings: Settings, choice: Choice) -> AlertPolicy:
             fire_after = choice.detector.rule.fire_after  # as validated
         if "alert_resolve_risk" not in chosen:
             resolve = round(fire / 2, 4)
-    return AlertPolicy(horizon, fire, resolve, fire_after, settings.alert_resolve_after)
+    return AlertPolicy(
+        horizon,
+        fire,
+        resolve,
+        fire_after,
+        settings.alert_resolve_after,
+        settings.alert_resolve_after_s,
+    )
 
 
 def choose_shadow(settings: Settings) -> Detector | None:
@@ -127,6 +134,7 @@ def shadow_policy(settings: Settings, shadow: Detector) -> AlertPolicy:
         round(rule.fire_risk / 2, 4),
         rule.fire_after,
         settings.alert_resolve_after,
+        settings.alert_resolve_after_s,
     )
 
 

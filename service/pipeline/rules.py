@@ -6,9 +6,11 @@ domain it matches. Per rule and domain an ``Episode`` counts consecutive forecas
 - ``fire_after`` forecasts in a row over the rule's bar (risk at ``horizon_s`` at or above
   ``fire_risk``, or time to OOM at or below ``fire_tto_s``) start an episode: one
   ``firing`` alert.
-- ``resolve_after`` forecasts in a row under the lower resolve bar (hysteresis) end it: one
-  ``resolved`` alert. An OOM, a new job on the domain, or silence end it too
-  (``end_episode``).
+- ``resolve_after`` forecasts in a row under the lower resolve bar (hysteresis), spanning at
+  least ``resolve_after_s`` seconds of sample time, end it: one ``resolved`` alert. The
+  seconds keep a forecast that dips for a few fast samples from closing an episode that
+  fires again at once (the cooldown would then swallow the second firing). An OOM, a new
+  job on the domain, or silence end it too (``end_episode``).
 - An episode that starts within ``cooldown_s`` of the rule's last firing on that domain is
   *suppressed*: it is recorded, no action runs. If it is still firing when the cooldown
   ends, it fires again and acts. While an episode goes on, ``repeat_s`` re-sends its node
@@ -56,6 +58,9 @@ class AlertPolicy:
     resolve_risk: float = 0.2
     fire_after: int = 2
     resolve_after: int = 3
+    # and the calm lasting at least this long, by the samples' clock (the service passes
+    # OOMCAST_ALERT_RESOLVE_AFTER_S, 30 s by default)
+    resolve_after_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.horizon_s not in HORIZONS_S:
@@ -66,6 +71,8 @@ class AlertPolicy:
             raise ValueError("resolve_risk must be below fire_risk")
         if self.fire_after < 1 or self.resolve_after < 1:
             raise ValueError("fire_after and resolve_after must be at least 1")
+        if not 0 <= self.resolve_after_s <= 86400:
+            raise ValueError(f"resolve_after_s={self.resolve_after_s} must be in [0, 86400]")
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,7 @@ class Rule:
     resolve_risk: float | None = None
     fire_tto_s: float | None = None  # the time-to-OOM detector: time_to_oom_s <= fire_tto_s
     resolve_tto_s: float | None = None
+    resolve_after_s: float = 0.0  # the calm must also last this long (sample time)
 
     def fires(self, fc: Forecast) -> bool:
         if self.fire_tto_s is not None:
@@ -174,6 +182,7 @@ def policy_rule(policy: AlertPolicy, name: str = "oom-forecast") -> Rule:
         actions=("webhook",),
         fire_after=policy.fire_after,
         resolve_after=policy.resolve_after,
+        resolve_after_s=policy.resolve_after_s,
         horizon_s=policy.horizon_s,
         fire_risk=policy.fire_risk,
         resolve_risk=policy.resolve_risk,
@@ -190,6 +199,7 @@ def describe_rules(rules: list[Rule]) -> list[dict[str, Any]]:
             "cooldown_s": r.cooldown_s,
             "dry_run": sorted(r.dry_run),
             "repeat_s": r.repeat_s,
+            "resolve_after_s": r.resolve_after_s,
         }
         for r in rules
     ]
@@ -275,6 +285,7 @@ class Episode:
     firing: bool = False
     above: int = 0
     below: int = 0
+    calm_since: float | None = None  # observed_at of the first of the ``below`` calm forecasts
     episode: str | None = None
     fired_at: float | None = None
     last_fired_at: float | None = None  # for the cooldown; survives the episode's end
@@ -287,7 +298,7 @@ class Episode:
     def reset(self, *, forget_cooldown: bool = False) -> None:
         self.firing = False
         self.above = self.below = 0
-        self.episode = self.fired_at = None
+        self.episode = self.fired_at = self.calm_since = None
         self.suppressed = self.shed_waits = False
         if forget_cooldown:  # a new job: the last one's alerts say nothing about it
             self.last_fired_at = None
@@ -299,6 +310,7 @@ class Episode:
             "firing": self.firing,
             "above": self.above,
             "below": self.below,
+            "calm_since": self.calm_since,
             "episode": self.episode,
             "fired_at": self.fired_at,
             "last_fired_at": self.last_fired_at,
@@ -314,7 +326,9 @@ class Episode:
             raise ValueError("episode must be an object")
         flags = {k: data.get(k, False) for k in ("firing", "suppressed", "shed_waits")}
         counts = {k: data.get(k, 0) for k in ("above", "below")}
-        times = {k: data.get(k) for k in ("fired_at", "last_fired_at", "last_acted_at")}
+        times = {
+            k: data.get(k) for k in ("fired_at", "last_fired_at", "last_acted_at", "calm_since")
+        }
         episode = data.get("episode")
         for k, v in flags.items():
             if not isinstance(v, bool):
@@ -331,6 +345,7 @@ class Episode:
             firing=flags["firing"],
             above=counts["above"],
             below=counts["below"],
+            calm_since=None if times["calm_since"] is None else float(times["calm_since"]),
             episode=episode,
             fired_at=None if times["fired_at"] is None else float(times["fired_at"]),
             last_fired_at=None if times["last_fired_at"] is None else float(times["last_fired_at"]),
@@ -389,8 +404,14 @@ def advance(
     """``evaluate`` for a rule known to match the domain (the live state caches matches)."""
     if not ep.firing:
         return _maybe_fire(ep, rule, sample, fc, job, now)
-    ep.below = ep.below + 1 if rule.calm(fc) else 0
-    if ep.below >= rule.resolve_after:
+    if rule.calm(fc):
+        ep.below += 1
+        if ep.calm_since is None:
+            ep.calm_since = fc.observed_at
+    else:
+        ep.below, ep.calm_since = 0, None
+    calm_for = fc.observed_at - (fc.observed_at if ep.calm_since is None else ep.calm_since)
+    if ep.below >= rule.resolve_after and calm_for >= rule.resolve_after_s:
         alert = _alert(
             "resolved", rule, ep, sample, fc, job=job, reason="the forecast calmed down", now=now
         )

@@ -24,6 +24,7 @@ def test_partition_sets() -> None:
         ({"redis_url": "http://localhost"}, "redis://"),
         ({"alert_horizon_s": 50}, "one of"),
         ({"alert_resolve_risk": 0.6}, "flap"),
+        ({"alert_resolve_after_s": -5}, "alert_resolve_after_s"),
         ({"partitions": 2, "partitions_owned": "0-2"}, "OOMCAST_PARTITIONS_OWNED"),
     ],
 )
@@ -35,6 +36,8 @@ def test_unsafe_settings_are_refused_with_the_variable_named(kw: dict, words: st
 def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OOMCAST_PARTITIONS", "8")
     monkeypatch.setenv("OOMCAST_API_TOKEN", "t")
+    monkeypatch.setenv("OOMCAST_ALERT_RESOLVE_AFTER_S", "12.5")
     s = Settings()
     assert s.partitions == 8
+    assert s.alert_resolve_after_s == 12.5
     assert s.api_token is not None and s.api_token.get_secret_value() == "t"

@@ -62,6 +62,7 @@ def replicas(
             "OOMCAST_FORECASTER": "threshold_0.90",
             "OOMCAST_ALERT_FIRE_AFTER": "1",
             "OOMCAST_ALERT_RESOLVE_AFTER": "1",
+            "OOMCAST_ALERT_RESOLVE_AFTER_S": "0",  # resolve on the first calm sample
             "OOMCAST_WEBHOOK_URL": webhook_receiver.url,
             "OOMCAST_WEBHOOK_SECRET": "k",
             "OOMCAST_DELIVERY_BACKOFF_S": "0.2",
@@ -193,6 +194,7 @@ def test_a_killed_service_restarted_resolves_what_it_fired_and_does_not_page_aga
         "OOMCAST_LEASE_TTL_S": str(TTL_S),
         "OOMCAST_FORECASTER": "threshold_0.90",
         "OOMCAST_ALERT_FIRE_AFTER": "1",
+        "OOMCAST_ALERT_RESOLVE_AFTER_S": "0",  # three calm samples, a second apart, resolve
         "OOMCAST_WEBHOOK_URL": webhook_receiver.url,
         "OOMCAST_WEBHOOK_SECRET": "k",
     }

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -137,6 +138,29 @@ def test_hysteresis_and_for_samples() -> None:
     assert step(t, rule, sample(), fc(0.2)) is None
     resolved = payload_of(step(t, rule, sample(), fc(0.2)))
     assert resolved["status"] == "resolved"
+
+
+def test_the_calm_time_of_a_rule() -> None:
+    # the model rule takes the policy's (OOMCAST_ALERT_RESOLVE_AFTER_S); other detectors 0;
+    # resolve.for_s sets it on any rule
+    held = dataclasses.replace(POLICY, resolve_after_s=30.0)
+    model = {"name": "m", "when": {"model_rule": True}, "actions": ["webhook"]}
+    with tempfile.TemporaryDirectory() as tmp:
+        [m] = load_rules(rules_file(Path(tmp), [model]), held)
+        [own] = load_rules(rules_file(Path(tmp), [{**model, "resolve": {"for_s": 5}}]), held)
+        [r] = load_rules(rules_file(Path(tmp), [RISK_RULE]), held)
+    assert (m.resolve_after_s, own.resolve_after_s, r.resolve_after_s) == (30.0, 5.0, 0.0)
+    [timed] = load_rules_from({**RISK_RULE, "resolve": {"resolve_risk": 0.3, "for_s": 10}})
+    assert timed.resolve_after_s == 10.0 and timed.resolve_after == 3
+    with pytest.raises(RulesError, match="for_s"):
+        load_rules_from({**RISK_RULE, "resolve": {"for_s": -1}})
+    t = Episode()
+    step(t, timed, sample(0.0), fc(0.9, ts=0.0))
+    assert payload_of(step(t, timed, sample(1.0), fc(0.9, ts=1.0)))["status"] == "firing"
+    for ts in (2.0, 3.0, 4.0, 11.0, 12.0):  # three calm by 4 s; 10 s of calm at 12 s
+        alert = step(t, timed, sample(ts), fc(0.1, ts=ts))
+        assert (alert is None) == (ts < 12.0)
+    assert payload_of(alert)["status"] == "resolved"
 
 
 def test_cooldown_suppresses_actions_and_repeat_renews_them() -> None:

@@ -32,7 +32,10 @@ device input makes device outputs; a factory inside a forward of a moved module 
 GPU while the script runs, so a script that picks its device with ``"cuda" if
 torch.cuda.is_available() else "cpu"`` takes the GPU path. A real GPU, where there is one,
 is never touched (no CUDA context is made): fake CUDA tensors would need one, and PyTorch's
-module moves swap parameters in place, which fake parameters refuse.
+module moves swap parameters in place, which fake parameters refuse. A call that is not
+emulated and would make a context anyway (``torch.cuda._lazy_init``, patched for the run)
+stops the run there with :class:`RealGpuCall`, reported by the script's line; the script can
+tell it runs under preflight from ``$OOMCAST_PREFLIGHT`` (``1``).
 
 Values. Fake tensors have none. ``loss.item()``, ``.tolist()``, ``float(t)``, a Python ``if``
 on a tensor get a stand-in (False for booleans, 1 for integers, 1.0 for floats) and the
@@ -70,6 +73,7 @@ from oomcast.preflight.report import PreflightReport
 from oomcast.preflight.target import Target
 from oomcast.preflight.tracker import Listener, PhaseOp, PhaseTracker, StopCapture
 
+PREFLIGHT_ENV = "OOMCAST_PREFLIGHT"  # "1" while a script runs under preflight
 EXTRA_STEPS = 20  # optimizer steps past ``steps`` to wait for the script's own eval / save
 TIME_BUDGET_S = 300.0  # wall-clock limit of one traced run
 
@@ -98,6 +102,38 @@ class ScriptDone(BaseException):  # a signal, not an error: ``except Exception``
 
 class ScriptFailed(RuntimeError):
     """The script could not be traced; the message names the line and why."""
+
+
+class RealGpuCall(BaseException):  # not an Exception: a script's ``except Exception`` lets it by
+    """Raised where a call preflight does not emulate was about to start the real GPU
+    (``torch.cuda._lazy_init``, which every path to a CUDA context goes through): the run
+    stops there, before anything exists on the GPU. ``via`` names the torch function the
+    script called, when it was one."""
+
+    def __init__(self, via: str | None) -> None:
+        super().__init__(via or "a CUDA call")
+        self.via = via
+
+
+def _refuse_real_cuda(*args: Any, **kwargs: Any) -> None:
+    """``torch.cuda._lazy_init`` while a script is traced: raise :class:`RealGpuCall`."""
+    torch_dir = os.path.dirname(torch.__file__)
+    ours = os.path.dirname(os.path.dirname(__file__))
+    via = None
+    for frame in reversed(traceback.extract_stack()[:-1]):  # from here outwards
+        if frame.filename.startswith(torch_dir):
+            rel = os.path.relpath(frame.filename, os.path.dirname(torch_dir))
+            mod = rel.removesuffix(".py").removesuffix("/__init__").replace(os.sep, ".")
+            via = f"{mod}.{frame.name}"  # the outermost torch frame: what the script called
+        elif not frame.filename.startswith(ours):
+            break
+    raise RealGpuCall(via)
+
+
+def _pinned(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``Tensor.pin_memory`` under preflight: page-locked host memory is not GPU memory,
+    and pinning would start the real GPU; the tensor is returned as it is."""
+    return self
 
 
 @dataclass
@@ -704,6 +740,9 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
         "seed": noop,
         "seed_all": noop,
         "initial_seed": lambda: 0,
+        # every other way to a CUDA context (streams, events, a custom kernel, a tensor made
+        # on the device outside the fake mode) stops the run before it gets one
+        "_lazy_init": _refuse_real_cuda,
         # the traced bytes as the run goes (a script that logs them sees its own use); the
         # reserved figures need the allocator's replay, which the report has: here they
         # read the same as allocated (a lower bound; reserved - allocated reads 0)
@@ -888,6 +927,8 @@ def trace_script(
     cuda_before = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     handles: list[Any] = []
     saved_argv, saved_path = sys.argv[:], sys.path[:]
+    saved_env = os.environ.get(PREFLIGHT_ENV)
+    os.environ[PREFLIGHT_ENV] = "1"
     sys.argv = [path if path is not None else str(module), *argv]
     if path is not None:
         sys.path.insert(0, str(Path(path).resolve().parent))
@@ -938,6 +979,7 @@ def trace_script(
                     {
                         "backward": phases.backward(torch.Tensor.backward),
                         "numpy": _numpy_stand_in(tracker, torch.Tensor.numpy),
+                        "pin_memory": _pinned,
                         "__deepcopy__": _fake_deepcopy(torch.Tensor.__deepcopy__),
                     },
                 )
@@ -970,6 +1012,10 @@ def trace_script(
         for undo in phases.restore:
             undo()
         sys.argv, sys.path[:] = saved_argv, saved_path
+        if saved_env is None:
+            os.environ.pop(PREFLIGHT_ENV, None)
+        else:
+            os.environ[PREFLIGHT_ENV] = saved_env
         trace.ops = tracker.ops
         tracker.close()
     trace.stand_ins = list(tracker.stand_ins.values())
@@ -1040,6 +1086,15 @@ def _explain(exc: BaseException, name: str, tracker: ScriptTracker) -> str:
         f = frames[-1]
         where = f" at {f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
     phase, step = tracker.failed_in or (tracker.phase, tracker.step)
+    if isinstance(exc, RealGpuCall):
+        via = f" ({exc.via})" if exc.via else ""
+        return (
+            f"{name} stopped{where}, in phase {phase} of step {step}: this call{via} would"
+            " start the real GPU (a CUDA context, then memory on it), and preflight does not"
+            " emulate it. Stopped before it: nothing ran on the GPU. Preflight sets"
+            f" ${PREFLIGHT_ENV}=1 while it runs the script: a call that only times or"
+            " synchronizes can be skipped when it is set."
+        )
     if isinstance(exc, Exception) and is_fake_error(exc):
         why = (
             "this operator's output shape depends on tensor values (nonzero, boolean-mask"

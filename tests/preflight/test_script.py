@@ -4,6 +4,7 @@ submit(), the script's own loop, eval and torch.save; run on fake tensors."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from support import PEAK_RSS_OF, oomcast_cmd, peak_rss_bytes
 
 from oomcast.bench.preflight.scripts_gpu import SCRIPTS as EXAMPLES
@@ -192,6 +194,56 @@ def test_a_dataloader_with_workers_runs_in_the_scripts_process(tmp_path: Path) -
     report = preflight_script(str(script), ["--out", str(tmp_path / "c.pt")], gpu="T4", steps=2)
     assert report.fits and report.steps == 2 and report.batch_size == 8
     assert "it had run the steps, an eval and a checkpoint" in report.notes[0]
+
+
+def test_a_call_that_would_start_the_real_gpu_stops_the_run_naming_its_line(
+    tmp_path: Path,
+) -> None:
+    # A stream, an event's record, a custom kernel: nothing preflight emulates. The run
+    # stops where the call is, before any CUDA context, and says what to do about it.
+    text = PLAIN.replace(
+        "    loss.backward()\n",
+        "    loss.backward()\n    stream = torch.cuda.current_stream()\n",
+    )
+    assert "current_stream()" in text
+    script = _script(tmp_path, text)
+    line = 1 + text.splitlines().index("    stream = torch.cuda.current_stream()")
+    with pytest.raises(ScriptFailed) as e:
+        preflight_script(str(script), ["--out", str(tmp_path / "c.pt")], gpu="T4")
+    msg = str(e.value)
+    assert f"train.py:{line} (`stream = torch.cuda.current_stream()`)" in msg
+    assert "(torch.cuda.current_stream) would start the real GPU" in msg
+    assert "in phase backward of step 0" in msg
+    assert "nothing ran on the GPU" in msg and "$OOMCAST_PREFLIGHT=1" in msg
+    assert not torch.cuda.is_initialized()
+    assert "OOMCAST_PREFLIGHT" not in os.environ  # set only while the script runs
+
+    # the way out the message gives: skip the call under preflight
+    skipped = text.replace(
+        "    stream = torch.cuda.current_stream()\n",
+        "    if not os.environ.get('OOMCAST_PREFLIGHT'):\n"
+        "        stream = torch.cuda.current_stream()\n",
+    ).replace("import argparse\n", "import argparse\nimport os\n")
+    script = _script(tmp_path, skipped, "skipped.py")
+    report = preflight_script(str(script), ["--out", str(tmp_path / "c.pt")], gpu="T4", steps=2)
+    assert report.fits and report.steps == 2
+
+
+def test_pinned_batches_are_moved_without_pinning(tmp_path: Path) -> None:
+    # pin_memory() would start the GPU (page-locked host memory goes through CUDA); under
+    # preflight the tensor is moved as it is, and counted on the GPU once it gets there
+    text = PLAIN.replace(
+        f"    x = torch.randn(args.batch_size, {WIDTH}).to(device)\n",
+        f"    x = torch.randn(args.batch_size, {WIDTH}).pin_memory()"
+        ".to(device, non_blocking=True)\n",
+    )
+    assert "pin_memory()" in text
+    script = _script(tmp_path, text)
+    report = preflight_script(str(script), ["--out", str(tmp_path / "c.pt")], gpu="T4", steps=2)
+    plain = _script(tmp_path, PLAIN, "plain.py")
+    base = preflight_script(str(plain), ["--out", str(tmp_path / "c.pt")], gpu="T4", steps=2)
+    assert report.fits and report.steps == 2
+    assert report.to_json()["peak_allocated_bytes"] == base.to_json()["peak_allocated_bytes"]
 
 
 BIG = textwrap.dedent(

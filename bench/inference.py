@@ -137,11 +137,13 @@ def _service_path(fc: OnnxForecaster, n: int, seconds: float) -> dict[str, float
     that another process taking the core for a moment (this machine is shared) does not
     move it, and the mean is given beside it."""
     from oomcast.service.pipeline.rulefile import DEFAULT_RULES, load_rules
-    from oomcast.service.pipeline.rules import AlertPolicy
+    from oomcast.service.pipeline.rules import RESOLVE_AFTER_S, AlertPolicy
     from oomcast.service.pipeline.state import LiveState, tune_gc
 
     tune_gc()  # as oomcast serve does
-    policy = AlertPolicy(fc.rule.horizon_s, fc.rule.fire_risk, fc.rule.fire_risk / 2)
+    policy = AlertPolicy(
+        fc.rule.horizon_s, fc.rule.fire_risk, fc.rule.fire_risk / 2, resolve_after_s=RESOLVE_AFTER_S
+    )
     live = LiveState(fc, load_rules(DEFAULT_RULES, policy), horizon_s=policy.horizon_s)
     rounds: list[tuple[list[Sample], list[np.ndarray]]] = []
     emb = [EmbeddingState() for _ in range(n)]

@@ -33,9 +33,10 @@ GPU while the script runs, so a script that picks its device with ``"cuda" if
 torch.cuda.is_available() else "cpu"`` takes the GPU path. A real GPU, where there is one,
 is never touched (no CUDA context is made): fake CUDA tensors would need one, and PyTorch's
 module moves swap parameters in place, which fake parameters refuse. A call that is not
-emulated and would make a context anyway (``torch.cuda._lazy_init``, patched for the run)
-stops the run there with :class:`RealGpuCall`, reported by the script's line; the script can
-tell it runs under preflight from ``$OOMCAST_PREFLIGHT`` (``1``).
+emulated and would make a context anyway (``torch.cuda._lazy_init`` wherever torch binds it,
+and the stream and event constructors, patched for the run) stops the run there with
+:class:`RealGpuCall`, reported by the script's line; the script can tell it runs under
+preflight from ``$OOMCAST_PREFLIGHT`` (``1``).
 
 Values. Fake tensors have none. ``loss.item()``, ``.tolist()``, ``float(t)``, a Python ``if``
 on a tensor get a stand-in (False for booleans, 1 for integers, 1.0 for floats) and the
@@ -51,6 +52,7 @@ import linecache
 import os
 import runpy
 import sys
+import sysconfig
 import tempfile
 import time
 import traceback
@@ -130,6 +132,16 @@ def _refuse_real_cuda(*args: Any, **kwargs: Any) -> None:
     raise RealGpuCall(via)
 
 
+def _refusing(cls: type) -> type:
+    """``cls`` (a CUDA stream or event class) made so that constructing one raises
+    :class:`RealGpuCall`; ``isinstance`` against the real class still holds for it."""
+
+    def __new__(kind: type, *args: Any, **kwargs: Any) -> Any:
+        raise RealGpuCall(f"torch.cuda.{cls.__name__}")
+
+    return type(cls.__name__, (cls,), {"__new__": __new__, "__module__": cls.__module__})
+
+
 def _pinned(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """``Tensor.pin_memory`` under preflight: page-locked host memory is not GPU memory,
     and pinning would start the real GPU; the tensor is returned as it is."""
@@ -179,6 +191,7 @@ class ScriptTracker(PhaseTracker):  # type: ignore[no-untyped-call]  # torch: un
         self.step = 0
         self.phase = "forward"  # until the first step: what the script moves is its batch
         self.started = False  # a module call has run: moved modules are no longer "persistent"
+        self.cuda_before = False  # this process had a CUDA context before the script ran
 
     def is_device(self, t: torch.Tensor) -> bool:
         if t.device.type != "cpu" or t.is_sparse:
@@ -755,9 +768,23 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
         ),
     }
     with contextlib.ExitStack() as stack:
+        # torch.cuda's own modules bind some of these by name (``from . import
+        # _lazy_init``; torch.cuda.random.get_rng_state is torch.cuda.get_rng_state): each
+        # binding of the same function is patched, or a call through it would reach the GPU
+        modules = [m for n, m in list(sys.modules.items()) if n.startswith("torch.cuda.")]
         for name, value in patches.items():
-            if hasattr(cuda, name):
-                stack.enter_context(_patched(cuda, name, value))
+            if not hasattr(cuda, name):
+                continue
+            original = getattr(cuda, name)
+            stack.enter_context(_patched(cuda, name, value))
+            for mod in modules:
+                if getattr(mod, name, None) is original:
+                    stack.enter_context(_patched(mod, name, value))
+        # streams and events are made in C++, which reaches the device without
+        # torch.cuda._lazy_init: their constructors stop the run instead
+        for name in ("Stream", "Event", "ExternalStream"):
+            if isinstance(getattr(cuda, name, None), type):
+                stack.enter_context(_patched(cuda, name, _refusing(getattr(cuda, name))))
         # Mixed precision: the tensors here are CPU tensors, which autocast("cuda") leaves
         # alone; the same autocast on the CPU casts the same kind of ops (matmuls, convs,
         # attention) to the lower precision, so activations are counted at their size.
@@ -925,6 +952,7 @@ def trace_script(
     phases = _Phases(tracker, trace, steps, extra_steps, time_budget_s)
     started = time.monotonic()
     cuda_before = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    tracker.cuda_before = cuda_before
     handles: list[Any] = []
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     saved_env = os.environ.get(PREFLIGHT_ENV)
@@ -1082,16 +1110,30 @@ def _explain(exc: BaseException, name: str, tracker: ScriptTracker) -> str:
         and not f.filename.endswith("runpy.py")
     ]
     where = ""
-    if frames:
+    own = [f for f in frames if not _is_library(f.filename)]
+    if own:  # the script's line; the library's after it when the failure came from one
+        f = own[-1]
+        where = f" at {f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
+        if frames[-1] is not f:
+            lib = frames[-1]
+            where += f", through {lib.filename}:{lib.lineno}"
+    elif frames:
         f = frames[-1]
         where = f" at {f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
     phase, step = tracker.failed_in or (tracker.phase, tracker.step)
+    made = bool(torch.cuda.is_initialized()) and not tracker.cuda_before  # type: ignore[no-untyped-call]
+    untouched = (
+        "A CUDA context was made on this machine's GPU earlier in the run, by a call"
+        " preflight does not see; the job did not run there."
+        if made
+        else "Nothing ran on the GPU."
+    )
     if isinstance(exc, RealGpuCall):
         via = f" ({exc.via})" if exc.via else ""
         return (
             f"{name} stopped{where}, in phase {phase} of step {step}: this call{via} would"
             " start the real GPU (a CUDA context, then memory on it), and preflight does not"
-            " emulate it. Stopped before it: nothing ran on the GPU. Preflight sets"
+            f" emulate it. It was stopped before it did. {untouched} Preflight sets"
             f" ${PREFLIGHT_ENV}=1 while it runs the script: a call that only times or"
             " synchronizes can be skipped when it is set."
         )
@@ -1102,12 +1144,20 @@ def _explain(exc: BaseException, name: str, tracker: ScriptTracker) -> str:
         )
         return (
             f"{name} cannot run on fake tensors{where}, in phase {phase} of step {step}:"
-            f" {why} ({type(exc).__name__}). Nothing ran on the GPU."
+            f" {why} ({type(exc).__name__}). {untouched}"
         )
     return (
         f"{name} failed{where}, in phase {phase} of step {step}, before preflight had seen"
-        f" what it needs: {type(exc).__name__}: {exc}. Nothing ran on the GPU."
+        f" what it needs: {type(exc).__name__}: {exc}. {untouched}"
     )
+
+
+def _is_library(filename: str) -> bool:
+    """Whether a frame's file is an installed library or the standard library's, not the
+    user's script (or a module of theirs beside it)."""
+    parts = Path(filename).parts
+    stdlib = sysconfig.get_paths()["stdlib"]
+    return "site-packages" in parts or "dist-packages" in parts or filename.startswith(stdlib)
 
 
 def preflight_script(

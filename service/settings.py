@@ -25,6 +25,7 @@ from oomcast.model.wire import (
     DEFAULT_REDIS_URL,
     redact_url,
 )
+from oomcast.service.pipeline.rules import RESOLVE_AFTER_S
 
 
 def _default_consumer() -> str:
@@ -111,7 +112,7 @@ class Settings(BaseSettings):
         default=3, ge=1, description="consecutive samples below resolve_risk"
     )
     alert_resolve_after_s: float = Field(
-        default=30.0,
+        default=RESOLVE_AFTER_S,
         ge=0,
         le=86400,
         description="and the calm lasting at least this many seconds (by the samples' times)",

@@ -21,7 +21,7 @@ horizon), or ``time_to_oom_below_s`` (the forecast's median time to OOM), or
 ``model_rule: true`` (the rule the shipped model was validated with, or the
 ``OOMCAST_ALERT_*`` settings). Each needs ``for_samples`` consecutive samples. An episode
 resolves after ``resolve.for_samples`` calm samples that also span ``resolve.for_s`` seconds
-(default: ``OOMCAST_ALERT_RESOLVE_AFTER_S``, 30 s, for ``model_rule: true``; 0 otherwise).
+(default: ``OOMCAST_ALERT_RESOLVE_AFTER_S``, 30 s).
 
 Old names, still accepted: ``when.risk_above`` is ``when.fire_risk`` and
 ``resolve.risk_below`` is ``resolve.resolve_risk``.
@@ -112,8 +112,8 @@ class ResolveSpec(_Strict):
     )
     time_to_oom_above_s: float | None = Field(default=None, gt=0)
     for_samples: int = Field(default=3, ge=1, le=1000)
-    # and for at least this many seconds of sample time; default: the model rule's
-    # OOMCAST_ALERT_RESOLVE_AFTER_S for ``model_rule: true``, else 0
+    # and for at least this many seconds of sample time; default the service's
+    # OOMCAST_ALERT_RESOLVE_AFTER_S (30 s)
     for_s: float | None = Field(default=None, ge=0, le=86400)
 
 
@@ -232,10 +232,11 @@ def build_rule(spec: RuleSpec, policy: AlertPolicy) -> Rule:
         params=spec.params,
         resolve_after=r.for_samples,
     )
+    calm_s = r.for_s if r.for_s is not None else policy.resolve_after_s
     if w.model_rule:
         return Rule(
             **common,
-            resolve_after_s=r.for_s if r.for_s is not None else policy.resolve_after_s,
+            resolve_after_s=calm_s,
             fire_after=w.for_samples or policy.fire_after,
             horizon_s=policy.horizon_s,
             fire_risk=policy.fire_risk,
@@ -245,7 +246,7 @@ def build_rule(spec: RuleSpec, policy: AlertPolicy) -> Rule:
         return Rule(
             **common,
             fire_after=w.for_samples or 2,
-            resolve_after_s=r.for_s or 0.0,
+            resolve_after_s=calm_s,
             fire_tto_s=w.time_to_oom_below_s,
             resolve_tto_s=r.time_to_oom_above_s,
             resolve_risk=r.resolve_risk,
@@ -253,7 +254,7 @@ def build_rule(spec: RuleSpec, policy: AlertPolicy) -> Rule:
         )
     return Rule(
         **common,
-        resolve_after_s=r.for_s or 0.0,
+        resolve_after_s=calm_s,
         fire_after=w.for_samples or 2,
         horizon_s=w.horizon_s,
         fire_risk=w.fire_risk,

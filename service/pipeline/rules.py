@@ -42,6 +42,9 @@ from oomcast.model.forecast import HORIZONS_S, Forecast
 from oomcast.model.schema import Sample
 
 ACTIONS = ("webhook", "alertmanager", "checkpoint", "shed")
+# How long an episode's calm must last before it resolves, by default (the service's
+# OOMCAST_ALERT_RESOLVE_AFTER_S; a rule's resolve.for_s)
+RESOLVE_AFTER_S = 30.0
 NODE_ACTIONS = ("checkpoint", "shed")  # carried out by the node agent, through control
 
 Status = Literal["firing", "resolved"]
@@ -59,7 +62,7 @@ class AlertPolicy:
     fire_after: int = 2
     resolve_after: int = 3
     # and the calm lasting at least this long, by the samples' clock (the service passes
-    # OOMCAST_ALERT_RESOLVE_AFTER_S, 30 s by default)
+    # OOMCAST_ALERT_RESOLVE_AFTER_S, RESOLVE_AFTER_S by default; 0 here: the bare engine)
     resolve_after_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -337,7 +340,9 @@ class Episode:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"episode {k}: must be a count, got {v!r}")
         for k, v in times.items():
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
+            ):
                 raise ValueError(f"episode {k}: must be unix seconds or null, got {v!r}")
         if episode is not None and not isinstance(episode, str):
             raise ValueError(f"episode episode: must be an id or null, got {episode!r}")
@@ -458,7 +463,7 @@ def _maybe_fire(
     ep.above = ep.above + 1 if rule.fires(fc) else 0
     if ep.above < rule.fire_after:
         return None
-    ep.firing, ep.below = True, 0
+    ep.firing, ep.below, ep.calm_since = True, 0, None
     ep.episode, ep.fired_at = episode_id(rule, sample), now
     last = ep.last_fired_at
     ep.suppressed = last is not None and now - last < rule.cooldown_s

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from support import PEAK_RSS_OF, oomcast_cmd, peak_rss_bytes
 
 from oomcast.bench.preflight.scripts_gpu import SCRIPTS as EXAMPLES
@@ -214,8 +213,7 @@ def test_a_call_that_would_start_the_real_gpu_stops_the_run_naming_its_line(
     assert f"train.py:{line} (`stream = torch.cuda.current_stream()`)" in msg
     assert "(torch.cuda.current_stream) would start the real GPU" in msg
     assert "in phase backward of step 0" in msg
-    assert "nothing ran on the GPU" in msg and "$OOMCAST_PREFLIGHT=1" in msg
-    assert not torch.cuda.is_initialized()
+    assert "Nothing ran on the GPU" in msg and "$OOMCAST_PREFLIGHT=1" in msg
     assert "OOMCAST_PREFLIGHT" not in os.environ  # set only while the script runs
 
     # the way out the message gives: skip the call under preflight
@@ -225,6 +223,55 @@ def test_a_call_that_would_start_the_real_gpu_stops_the_run_naming_its_line(
         "        stream = torch.cuda.current_stream()\n",
     ).replace("import argparse\n", "import argparse\nimport os\n")
     script = _script(tmp_path, skipped, "skipped.py")
+    report = preflight_script(str(script), ["--out", str(tmp_path / "c.pt")], gpu="T4", steps=2)
+    assert report.fits and report.steps == 2
+
+
+@pytest.mark.parametrize(
+    ("call", "via"),
+    [
+        ("torch.cuda.set_per_process_memory_fraction(0.9)", "torch.cuda.memory."),
+        ("torch.cuda.Stream()", "torch.cuda.Stream"),
+        ("torch.cuda.Event(enable_timing=True)", "torch.cuda.Event"),
+    ],
+)
+def test_every_way_to_the_real_gpu_is_stopped(tmp_path: Path, call: str, via: str) -> None:
+    # torch.cuda's modules that bind _lazy_init by name, and the classes made in C++
+    text = PLAIN.replace("opt = torch.optim", f"{call}\nopt = torch.optim")
+    script = _script(tmp_path, text)
+    with pytest.raises(ScriptFailed, match="would start the real GPU") as e:
+        preflight_script(str(script), ["--out", str(tmp_path / "c.pt")], gpu="T4")
+    assert f"(`{call}`)" in str(e.value) and f"({via}" in str(e.value)
+
+
+def test_a_library_s_call_is_named_by_the_script_s_line_through_the_library(
+    tmp_path: Path,
+) -> None:
+    lib = tmp_path / "site-packages"
+    lib.mkdir()
+    (lib / "timing.py").write_text("import torch\n\ndef sync():\n    torch.cuda.current_stream()\n")
+    text = PLAIN.replace(
+        "opt = torch.optim",
+        f"import sys; sys.path.insert(0, {str(lib)!r})\nimport timing\n"
+        "timing.sync()\nopt = torch.optim",
+    )
+    script = _script(tmp_path, text)
+    with pytest.raises(ScriptFailed) as e:
+        preflight_script(str(script), ["--out", str(tmp_path / "c.pt")], gpu="T4")
+    line = 1 + text.splitlines().index("timing.sync()")
+    assert f"train.py:{line} (`timing.sync()`), through {lib / 'timing.py'}:4" in str(e.value)
+
+
+def test_the_cuda_rng_calls_a_framework_saves_are_emulated_wherever_they_are_bound(
+    tmp_path: Path,
+) -> None:
+    # the Trainer saves torch.cuda.random.get_rng_state_all() with its checkpoints
+    text = PLAIN.replace(
+        "opt = torch.optim",
+        "state = torch.cuda.random.get_rng_state()\n"
+        "torch.cuda.random.set_rng_state(state)\nopt = torch.optim",
+    )
+    script = _script(tmp_path, text)
     report = preflight_script(str(script), ["--out", str(tmp_path / "c.pt")], gpu="T4", steps=2)
     assert report.fits and report.steps == 2
 

@@ -65,6 +65,7 @@ SECRET = "fleet-scorecard-e2e"
 # --- the pinned baseline and the scored rule, as documented ----------------------------------
 
 WINDOW_S, HORIZON_S, GATE, FIRE_AFTER, RESOLVE_AFTER = 60.0, 60.0, 0.80, 2, 3
+RESOLVE_AFTER_S = 30.0  # OOMCAST_ALERT_RESOLVE_AFTER_S, left at its default here
 SETTLE_S, CENSOR_S, NEAR_LEVEL = 300.0, 60.0, 0.9  # docs/scorecard.md, "What is counted"
 
 
@@ -87,9 +88,11 @@ def hand_tto(samples: list[Sample]) -> list[float | None]:
 
 
 def hand_alerts(samples: list[Sample]) -> list[tuple[float, float | None]]:
-    """The scored alerts: (ts of the sample it fired on, ts of the one it calmed on)."""
+    """The scored alerts: (ts of the sample it fired on, ts of the one it resolved on: the
+    ``RESOLVE_AFTER``-th calm one in a row, once the calm has lasted ``RESOLVE_AFTER_S``)."""
     out: list[tuple[float, float | None]] = []
     above = below = 0
+    calm_since = 0.0
     for s, tto in zip(samples, hand_tto(samples), strict=True):
         hot = tto is not None and tto <= HORIZON_S
         if not out or out[-1][1] is not None:
@@ -99,7 +102,8 @@ def hand_alerts(samples: list[Sample]) -> list[tuple[float, float | None]]:
                 below = 0
         else:
             below = below + 1 if not hot else 0
-            if below == RESOLVE_AFTER:
+            calm_since = s.ts if below == 1 else calm_since
+            if below >= RESOLVE_AFTER and s.ts - calm_since >= RESOLVE_AFTER_S:
                 out[-1], above = (out[-1][0], s.ts), 0
     return out
 
@@ -197,7 +201,8 @@ def synthetic_jobs() -> list[Job]:
         # a training job's sawtooth around 60% for all of the test: never over 80%, quiet
         Job("quiet", synthetic("quiet-node", "quiet", sawtooth)),
         # climbs 0.4%/s from 168 s: over 80% from 243 s, alert at 244 s; freed back to 50%
-        # at 259 s (peak 86.2%), calm at 261 s; nothing for 300 s: a false alarm at 561 s
+        # at 259 s (peak 86.2%), resolved after 30 s of calm at 289 s; nothing for 300 s: a
+        # false alarm at 589 s
         Job(
             "false-alarm",
             synthetic(
@@ -205,7 +210,8 @@ def synthetic_jobs() -> list[Job]:
             ),
         ),
         # the same climb from 270 s, alert at 346 s, on to 93.4% at 378 s (within 10% of
-        # the limit) before it is freed: calm at 381 s, a near miss at 681 s
+        # the limit) before it is freed: resolved after 30 s of calm at 409 s, then settled as a
+        # near miss
         Job(
             "near-miss",
             synthetic(
@@ -698,7 +704,7 @@ def test_a_clean_restart_carries_on_from_the_last_sample_forecast(
     started = time.time()
     # the near miss's climb, alert at 346 s (snapshotted with it), then two samples at 93%
     # (too few for any other rule to fire: nothing else snapshots them), the restart, and
-    # it is freed: calm at 354 s, a near miss at 654 s
+    # it is freed: resolved after 30 s of calm at 382 s, then settled as a near miss
     climb = [*flat(200, 270), *ramp(270, 350), (350, 0.93), (351, 0.93), *flat(352, 660)]
     near = Job("near-miss", synthetic("near-node", "near-miss", climb))
     assert hand_count(near)[0] == {"outcome": "near_miss"}

@@ -62,7 +62,7 @@ def replicas(
             "OOMCAST_FORECASTER": "threshold_0.90",
             "OOMCAST_ALERT_FIRE_AFTER": "1",
             "OOMCAST_ALERT_RESOLVE_AFTER": "1",
-            "OOMCAST_ALERT_RESOLVE_AFTER_S": "0",  # resolve on the first calm sample
+            "OOMCAST_ALERT_RESOLVE_AFTER_S": "0",  # resolve on calm samples, not seconds
             "OOMCAST_WEBHOOK_URL": webhook_receiver.url,
             "OOMCAST_WEBHOOK_SECRET": "k",
             "OOMCAST_DELIVERY_BACKOFF_S": "0.2",

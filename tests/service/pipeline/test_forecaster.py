@@ -61,7 +61,7 @@ def test_the_model_serves_with_its_own_rule(
         assert c.get("/v1/devices").json()["alert_horizon_s"] == 120  # the model's rule
         rules = {r["name"]: r for r in c.get("/v1/rules").json()["rules"]}
         assert rules["oom-forecast"]["resolve_after_s"] == 30.0  # OOMCAST_ALERT_RESOLVE_AFTER_S
-        assert rules["shed-lower-priority"]["resolve_after_s"] == 0.0  # its own resolve
+        assert rules["shed-lower-priority"]["resolve_after_s"] == 30.0
         metrics = c.get("/metrics").text
         assert 'kind="model"' in metrics and 'provider="CPUExecutionProvider"' in metrics
 

@@ -141,15 +141,19 @@ def test_hysteresis_and_for_samples() -> None:
 
 
 def test_the_calm_time_of_a_rule() -> None:
-    # the model rule takes the policy's (OOMCAST_ALERT_RESOLVE_AFTER_S); other detectors 0;
-    # resolve.for_s sets it on any rule
+    # every rule takes the policy's (OOMCAST_ALERT_RESOLVE_AFTER_S) unless resolve.for_s
+    # gives its own
     held = dataclasses.replace(POLICY, resolve_after_s=30.0)
     model = {"name": "m", "when": {"model_rule": True}, "actions": ["webhook"]}
+    tto = {"name": "t", "when": {"time_to_oom_below_s": 45}, "actions": ["webhook"]}
     with tempfile.TemporaryDirectory() as tmp:
         [m] = load_rules(rules_file(Path(tmp), [model]), held)
         [own] = load_rules(rules_file(Path(tmp), [{**model, "resolve": {"for_s": 5}}]), held)
         [r] = load_rules(rules_file(Path(tmp), [RISK_RULE]), held)
-    assert (m.resolve_after_s, own.resolve_after_s, r.resolve_after_s) == (30.0, 5.0, 0.0)
+        [t] = load_rules(rules_file(Path(tmp), [tto]), held)
+        [now] = load_rules(rules_file(Path(tmp), [{**tto, "resolve": {"for_s": 0}}]), held)
+    calm = [x.resolve_after_s for x in (m, own, r, t, now)]
+    assert calm == [30.0, 5.0, 30.0, 30.0, 0.0]
     [timed] = load_rules_from({**RISK_RULE, "resolve": {"resolve_risk": 0.3, "for_s": 10}})
     assert timed.resolve_after_s == 10.0 and timed.resolve_after == 3
     with pytest.raises(RulesError, match="for_s"):
@@ -228,6 +232,8 @@ def test_default_rules_load_and_explain_themselves() -> None:
     assert names == ["shed-lower-priority", "oom-forecast"]  # highest priority first
     forecast = next(r for r in rules if r.name == "oom-forecast")
     assert (forecast.horizon_s, forecast.fire_risk) == (120, 0.6)  # the model's rule
+    held = load_rules(DEFAULT_RULES, dataclasses.replace(POLICY, resolve_after_s=30.0))
+    assert [r.resolve_after_s for r in held] == [30.0, 30.0]  # the shed rule cannot flap
     assert "checkpoint" in forecast.actions
     shed = next(r for r in rules if r.name == "shed-lower-priority")
     assert shed.dry_run == {"shed"}  # shedding is off until someone turns it on

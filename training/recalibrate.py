@@ -10,12 +10,16 @@ and one-step OOMs are left out or censored at their step as training leaves them
 - the calibration: per horizon, a Platt correction ``sigmoid(a * logit(risk) + b)`` of the
   network's risk (``network.fit_calibration``: the fit training makes, a > 0, the identity
   kept where the fit does not beat it), fitted on the ticks the evidence gate left open (a
-  shut gate gives 0, and stays 0), then made non-decreasing across horizons as the runtime
+  shut gate gives 0, and stays 0) and, for a model with the straight line, where the line
+  adds nothing (``line_off``), then made non-decreasing across horizons as the runtime
   applies it (``model/runtime.py``, ``recalibrated``);
 - the alert rule: training's own choice (``train.score_rules`` and ``train.best_rule``: the
   horizon and risk that warn the most long OOMs 30 s ahead while at most 2% of the ordinary
   runs of every group of traces, and at most half the near misses, are alerted), on the
   corrected risks. Each ``--traces`` folder is a group, as each source is in training.
+  Where a ceiling holds the rule back by 10 points or more of the long OOMs warned 30 s
+  ahead, the report says which, and what training would choose without it
+  (``binding_ceilings``).
 
 Both models, the one given and the refit, are then scored on the same traces as ``oomcast
 evaluate`` scores them (``evaluate.score_trace``, every sample, phases merged in), so
@@ -57,6 +61,7 @@ MIN_OOM_FREE_RUNS = 20
 MIN_JOB_HOURS = 5.0
 MAX_FALSE_ALARMS = 0.02  # training's ceiling on the ordinary runs alerted, per group
 ECE_BINS = 10
+CEILING_GAIN = 0.10  # say so when a ceiling costs this share of the long OOMs
 PROVENANCE_KEY = "oomcast.recalibrated"
 FLEET_TAG = "+fleet."
 KEPT_LISTING = "outcomes.json"  # what ``oomcast dump --outcomes`` writes beside its traces
@@ -243,11 +248,37 @@ def _corrected(
 # -- fitting --------------------------------------------------------------------------------
 
 
+def line_off(seqs: Iterable[Seq], horizons_s: Sequence[int]) -> list[np.ndarray]:
+    """Per sequence, (ticks, H): True where the model's straight line adds no risk
+    (``network.straight_line`` on the sequence's features), so the risk there is the
+    network's alone."""
+    import torch
+
+    from oomcast.model.network import straight_line
+
+    out = []
+    for s in seqs:
+        x = torch.from_numpy(np.ascontiguousarray(s.x, dtype=np.float32))
+        with torch.no_grad():
+            line, _, _ = straight_line(x, tuple(horizons_s))
+        out.append(line.numpy() <= 0.0)
+    return out
+
+
 def fit_table(
-    risks: list[np.ndarray], seqs: list[Seq], horizons_s: Sequence[int]
+    risks: list[np.ndarray],
+    seqs: list[Seq],
+    horizons_s: Sequence[int],
+    fit_on: list[np.ndarray] | None = None,
 ) -> dict[int, tuple[float, float]]:
     """Per horizon, training's Platt fit (``network.fit_calibration``) of the risks the
-    gate left open (> 0) against the known labels."""
+    gate left open (> 0) against the known labels; with ``fit_on`` (per sequence, ticks x
+    horizons), only where it is True. A model with the straight line is fitted where the
+    line adds nothing (``line_off``): the correction is the network's. The line's risk is
+    a projection with its own spread, near 0 or 1 on a clean climb; fitted with the rest,
+    the confident line on a straight climb that stopped short (a near miss) drags the
+    slope towards 0 and the refit's risk towards a constant (a = 0.02 to 0.2 on the
+    repository's test jobs, where the network's ticks alone give 0.4 to 3)."""
     import torch
 
     from oomcast.model.network import NetConfig, OOMForecastNet, fit_calibration
@@ -255,6 +286,8 @@ def fit_table(
     r = np.concatenate(risks).astype(np.float64)
     y = np.concatenate([s.y for s in seqs]).astype(np.float64)
     m = np.concatenate([s.m for s in seqs]).astype(np.float64) * (r > 0)
+    if fit_on is not None:
+        m = m * np.concatenate(fit_on).astype(np.float64)
     log_s = np.log1p(-np.clip(r, 1e-6, 1.0 - 1e-6))  # what fit_calibration takes
     holder = OOMForecastNet(NetConfig(horizons_s=tuple(horizons_s)))  # its cal_a, cal_b
     with torch.no_grad():
@@ -265,6 +298,45 @@ def fit_table(
         int(h): (round(float(holder.cal_a[k]), 6), round(float(holder.cal_b[k]), 6))
         for k, h in enumerate(horizons_s)
     }
+
+
+def binding_ceilings(
+    seqs: list[Seq], risks: list[np.ndarray], rule: Mapping[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """What each of training's two ceilings (at most ``MAX_FALSE_ALARMS`` of every group's
+    ordinary runs alerted; at most half of the near misses) costs ``rule``: per ceiling that
+    holds it back by ``CEILING_GAIN`` or more of the long OOMs warned 30 s ahead, the rule
+    training would choose without it and what that rule buys and costs."""
+    from oomcast.training.train import best_rule, score_rules
+
+    out: dict[str, dict[str, Any]] = {}
+    for name, fa, near in (("false_alarms", 1.0, 0.5), ("near_misses", MAX_FALSE_ALARMS, 1.0)):
+        free = best_rule(score_rules(seqs, risks, fa, near), fa)
+        if free.recall_30 >= float(rule["recall_30"]) + CEILING_GAIN:
+            out[name] = {
+                "horizon_s": free.horizon_s,
+                "fire_risk": float(free.fire_risk),
+                "recall_30": float(free.recall_30),
+                "recall_10": float(free.recall_10),
+                "false_alarm_rate": float(free.false_alarm_rate),
+                "near_miss_warned": float(free.near_miss_warned),
+            }
+    return out
+
+
+def _ceiling_note(rule: Mapping[str, Any], name: str, free: Mapping[str, Any]) -> str:
+    what = {
+        "false_alarms": f"at most {MAX_FALSE_ALARMS:.0%} of every group's ordinary runs alerted",
+        "near_misses": "at most half of the near misses alerted",
+    }[name]
+    return (
+        f"The ceiling of {what} sets the refit's rule: it warns {float(rule['recall_30']):.0%}"
+        " of the long OOMs 30 s ahead. Without that ceiling training's choice would be"
+        f" risk@{free['horizon_s']}s >= {free['fire_risk']:.4g}: {free['recall_30']:.0%} of them,"
+        f" with {free['false_alarm_rate']:.0%} of the ordinary runs of the worst group and"
+        f" {free['near_miss_warned']:.0%} of the near misses alerted (ticks, as training counts"
+        " them). Weigh the two before running this refit."
+    )
 
 
 def choose_rule(seqs: list[Seq], risks: list[np.ndarray]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -399,9 +471,14 @@ def recalibrate(
     if not ev.enough():
         raise TooLittleEvidence(ev)
     net = network_risks(fc, chosen_on)
-    table = fit_table(net, chosen_on, fc.horizons_s)
+    has_line = "oomcast.straight" in fc.metadata
+    fit_on = line_off(chosen_on, fc.horizons_s) if has_line else None
+    table = fit_table(net, chosen_on, fc.horizons_s, fit_on)
     refit_risks = _corrected(net, table, fc.horizons_s)
     rule, figures = choose_rule(chosen_on, refit_risks)
+    binding = binding_ceilings(chosen_on, refit_risks, rule)
+    if binding:
+        figures = {**figures, "without_ceiling": binding}
     shipped_risks = _corrected(net, fc.recalibration, fc.horizons_s)
 
     refit = OnnxForecaster(model)
@@ -432,6 +509,7 @@ def recalibrate(
             "scores": scores[det.name],
         }
     notes = [IN_SAMPLE_NOTE, BIAS_NOTE]
+    notes[:0] = [_ceiling_note(rule, name, free) for name, free in binding.items()]
     if ev.kept_traces and ev.kept_traces == ev.traces:
         notes.insert(
             0,

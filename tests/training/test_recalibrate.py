@@ -338,3 +338,84 @@ def test_the_command_and_the_module_load_no_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def fake_seq(risk_at_tto: dict[str, float], *, oom: bool, level: float, group: str = "g") -> tuple:
+    """A 1 Hz sequence of 121 ticks and its risks (ticks, H): an OOM at its end when
+    ``oom`` (then the risk is ``risk_at_tto[k]`` from ``k`` seconds before it), else a run
+    that reached ``level`` and whose risk is ``risk_at_tto["all"]`` throughout."""
+    from oomcast.training.dataset import Sequence
+
+    n = 121
+    tto = np.arange(n - 1, -1, -1, dtype=np.float64) if oom else np.full(n, np.inf)
+    seq = Sequence(
+        name="s", x=np.zeros((n, 1), np.float32), y=np.zeros((n, len(HORIZONS)), np.float32),
+        m=np.ones((n, len(HORIZONS)), np.float32), tto=tto, ooms=oom, group=group,
+        oom_after_s=float(n - 1) if oom else None, max_level=level, span_s=float(n - 1),
+    )  # fmt: skip
+    risk = np.full((n, len(HORIZONS)), risk_at_tto.get("all", 0.0), np.float32)
+    for ahead, r in sorted(risk_at_tto.items()):
+        if ahead != "all":
+            risk[tto <= float(ahead)] = r
+    return seq, risk
+
+
+def test_a_ceiling_that_holds_the_rule_back_is_named_with_what_dropping_it_buys() -> None:
+    # ten leaks at 0.9 from 40 s before their OOM and 0.95 in their last 5 s; four near
+    # misses at 0.9 (a straight climb that stopped short); twenty quiet runs
+    leaks = [fake_seq({"40": 0.9, "5": 0.95}, oom=True, level=1.0) for _ in range(10)]
+    near = [fake_seq({"all": 0.9}, oom=False, level=0.95) for _ in range(4)]
+    quiet = [fake_seq({}, oom=False, level=0.5) for _ in range(20)]
+    seqs, risks = map(list, zip(*leaks, *near, *quiet, strict=True))
+    rule, _ = rc.choose_rule(seqs, risks)
+    assert rule["recall_30"] == 0.0  # above 0.9 only in the last 5 s
+    binding = rc.binding_ceilings(seqs, risks, rule)
+    assert set(binding) == {"near_misses"}
+    assert binding["near_misses"]["recall_30"] == 1.0
+    assert binding["near_misses"]["near_miss_warned"] == 1.0
+    note = rc._ceiling_note(rule, "near_misses", binding["near_misses"])
+    assert "at most half of the near misses" in note and "100% of them" in note
+
+    # the same, with one quiet run of five in a group of its own alerting at 0.9 instead
+    loud = [fake_seq({"all": 0.9}, oom=False, level=0.5, group="h")]
+    loud += [fake_seq({}, oom=False, level=0.5, group="h") for _ in range(4)]
+    seqs, risks = map(list, zip(*leaks, *quiet, *loud, strict=True))
+    rule, _ = rc.choose_rule(seqs, risks)
+    binding = rc.binding_ceilings(seqs, risks, rule)
+    assert set(binding) == {"false_alarms"} and binding["false_alarms"]["recall_30"] == 1.0
+    # nothing holds back a rule that already warns them all
+    seqs, risks = map(list, zip(*leaks, *quiet, strict=True))
+    rule, _ = rc.choose_rule(seqs, risks)
+    assert rule["recall_30"] == 1.0 and rc.binding_ceilings(seqs, risks, rule) == {}
+
+
+def test_the_correction_is_fitted_where_the_straight_line_adds_nothing() -> None:
+    # the network's ticks are calibrated (label drawn at the risk); the line's are certain
+    # and wrong (a climb that stopped short). Fitted on everything, the slope collapses.
+    rng = np.random.default_rng(0)
+    n, H = 4000, len(HORIZONS)
+    r = rng.uniform(0.02, 0.6, (n, H)).astype(np.float32)
+    y = (rng.uniform(size=(n, H)) < r).astype(np.float32)
+    r[:400] = 1.0 - 1e-6
+    y[:400] = 0.0
+    seq, _ = fake_seq({}, oom=False, level=0.5)
+    seq.y, seq.m = y, np.ones((n, H), np.float32)
+    off = np.ones((n, H), bool)
+    off[:400] = False
+    every = rc.fit_table([r], [seq], HORIZONS)
+    network = rc.fit_table([r], [seq], HORIZONS, [off])
+    assert all(every[h][0] < 0.5 for h in HORIZONS)
+    assert all(0.7 < network[h][0] < 1.4 for h in HORIZONS)
+
+
+@pytest.mark.slow  # torch, and a shape's embedding
+def test_line_off_marks_the_straight_climb_and_nothing_of_a_flat_run() -> None:
+    leak = SHAPES["leak"](random.Random(2), 2)  # a clean one: some draws are noisy
+    flat = SHAPES["flat"](random.Random(3), 3)
+    [leak_seq] = sequences_of_trace(leak, "leak")
+    [flat_seq] = sequences_of_trace(flat, "flat")
+    [leak_off, flat_off] = rc.line_off([leak_seq, flat_seq], HORIZONS)
+    assert leak_off.shape == (len(leak_seq.x), len(HORIZONS))
+    assert flat_off.all()
+    assert (~leak_off[-30:, -1]).mean() > 0.8  # the leak's last 30 s: the line holds
+    assert leak_off[:60].all()  # its first minute: no growth yet

@@ -34,7 +34,8 @@ torch.cuda.is_available() else "cpu"`` takes the GPU path. A real GPU, where the
 is never touched (no CUDA context is made): fake CUDA tensors would need one, and PyTorch's
 module moves swap parameters in place, which fake parameters refuse. A call that is not
 emulated and would make a context anyway (``torch.cuda._lazy_init`` wherever torch binds it,
-and the stream and event constructors, patched for the run) stops the run there with
+raw allocations, external streams; streams and events themselves are emulated) stops the run
+there with
 :class:`RealGpuCall`, reported by the script's line; the script can tell it runs under
 preflight from ``$OOMCAST_PREFLIGHT`` (``1``).
 
@@ -132,6 +133,16 @@ def _refuse_real_cuda(*args: Any, **kwargs: Any) -> None:
     raise RealGpuCall(via)
 
 
+def _refuse(via: str) -> Callable[..., Any]:
+    """A function that raises :class:`RealGpuCall` naming ``via``, for a torch call that
+    allocates on the device directly."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RealGpuCall(via)
+
+    return refuse
+
+
 def _refusing(cls: type) -> type:
     """``cls`` (a CUDA stream or event class) made so that constructing one raises
     :class:`RealGpuCall`; ``isinstance`` against the real class still holds for it."""
@@ -140,6 +151,72 @@ def _refusing(cls: type) -> type:
         raise RealGpuCall(f"torch.cuda.{cls.__name__}")
 
     return type(cls.__name__, (cls,), {"__new__": __new__, "__module__": cls.__module__})
+
+
+class _Event:
+    """``torch.cuda.Event`` on the emulated GPU: records and waits are no-ops (the trace
+    has no time), ``query`` says done, and ``elapsed_time`` is a stand-in value (1.0 ms),
+    named in the report like ``loss.item()``'s."""
+
+    _tracker: ScriptTracker  # set on the class made for each traced run
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end_event: Any) -> float:
+        self._tracker.note_stand_in("float")
+        return 1.0
+
+
+class _Stream:
+    """``torch.cuda.Stream`` (and the current and default streams) on the emulated GPU:
+    every wait and sync is a no-op; ``with torch.cuda.stream(s):`` runs its body as is."""
+
+    _tracker: ScriptTracker  # set on the class made for each traced run
+    _event: type[_Event]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.device = torch.device("cuda", 0)
+        self.priority = 0
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> Any:
+        return event if event is not None else self._event()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Stream)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 def _pinned(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -732,6 +809,9 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
     cuda = torch.cuda
 
     noop: Callable[..., None] = lambda *a, **k: None  # noqa: E731
+    # per run, so that an elapsed_time's stand-in is counted by this run's tracker
+    event = type("Event", (_Event,), {"_tracker": tracker})
+    stream = type("Stream", (_Stream,), {"_tracker": tracker, "_event": event})
     patches = {
         "is_available": lambda: True,
         "device_count": lambda: 1,
@@ -753,9 +833,18 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
         "seed": noop,
         "seed_all": noop,
         "initial_seed": lambda: 0,
-        # every other way to a CUDA context (streams, events, a custom kernel, a tensor made
-        # on the device outside the fake mode) stops the run before it gets one
+        # streams and events, for timing and overlap: emulated (nothing to allocate)
+        "Event": event,
+        "Stream": stream,
+        "current_stream": lambda *a, **k: stream(),
+        "default_stream": lambda *a, **k: stream(),
+        "set_stream": noop,
+        "stream": lambda s=None: contextlib.nullcontext(s),
+        # every other way to a CUDA context (a custom kernel, a tensor made on the device
+        # outside the fake mode, an external stream, a raw allocation) stops the run before
+        # it gets one
         "_lazy_init": _refuse_real_cuda,
+        "caching_allocator_alloc": _refuse("torch.cuda.caching_allocator_alloc"),
         # the traced bytes as the run goes (a script that logs them sees its own use); the
         # reserved figures need the allocator's replay, which the report has: here they
         # read the same as allocated (a lower bound; reserved - allocated reads 0)
@@ -780,11 +869,11 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
             for mod in modules:
                 if getattr(mod, name, None) is original:
                     stack.enter_context(_patched(mod, name, value))
-        # streams and events are made in C++, which reaches the device without
-        # torch.cuda._lazy_init: their constructors stop the run instead
-        for name in ("Stream", "Event", "ExternalStream"):
-            if isinstance(getattr(cuda, name, None), type):
-                stack.enter_context(_patched(cuda, name, _refusing(getattr(cuda, name))))
+        # an external stream wraps a real one, made in C++ without torch.cuda._lazy_init:
+        # its constructor stops the run instead
+        if isinstance(getattr(cuda, "ExternalStream", None), type):
+            refusing = _refusing(cuda.ExternalStream)
+            stack.enter_context(_patched(cuda, "ExternalStream", refusing))
         # Mixed precision: the tensors here are CPU tensors, which autocast("cuda") leaves
         # alone; the same autocast on the CPU casts the same kind of ops (matmuls, convs,
         # attention) to the lower precision, so activations are counted at their size.
@@ -1008,6 +1097,7 @@ def trace_script(
                         "backward": phases.backward(torch.Tensor.backward),
                         "numpy": _numpy_stand_in(tracker, torch.Tensor.numpy),
                         "pin_memory": _pinned,
+                        "record_stream": lambda self, stream: None,
                         "__deepcopy__": _fake_deepcopy(torch.Tensor.__deepcopy__),
                     },
                 )
@@ -1134,8 +1224,8 @@ def _explain(exc: BaseException, name: str, tracker: ScriptTracker) -> str:
             f"{name} stopped{where}, in phase {phase} of step {step}: this call{via} would"
             " start the real GPU (a CUDA context, then memory on it), and preflight does not"
             f" emulate it. It was stopped before it did. {untouched} Preflight sets"
-            f" ${PREFLIGHT_ENV}=1 while it runs the script: a call that only times or"
-            " synchronizes can be skipped when it is set."
+            f" ${PREFLIGHT_ENV}=1 while it runs the script: a line that is not needed to"
+            " train can be skipped when it is set."
         )
     if isinstance(exc, Exception) and is_fake_error(exc):
         why = (
@@ -1405,8 +1495,9 @@ def script_notes(trace: ScriptTrace, steps: int, extra_steps: int) -> list[str]:
     for s in trace.stand_ins:
         times = "" if s.count == 1 else f" ({s.count} times)"
         notes.append(
-            f"{s.where}: `{s.code}` reads a tensor's value; fake tensors have none, so it got"
-            f" a stand-in ({s.dtype}){times}"
+            f"{s.where}: `{s.code}` reads a value the traced run does not have (fake tensors"
+            f" have no values, emulated CUDA events no times), so it got a stand-in"
+            f" ({s.dtype}){times}"
         )
     return notes
 

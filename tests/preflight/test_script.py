@@ -198,29 +198,29 @@ def test_a_dataloader_with_workers_runs_in_the_scripts_process(tmp_path: Path) -
 def test_a_call_that_would_start_the_real_gpu_stops_the_run_naming_its_line(
     tmp_path: Path,
 ) -> None:
-    # A stream, an event's record, a custom kernel: nothing preflight emulates. The run
-    # stops where the call is, before any CUDA context, and says what to do about it.
+    # A call preflight does not emulate (here: freeing CUDA IPC memory; a custom kernel
+    # would be another). The run stops where the call is, before any CUDA context, and
+    # says what to do about it.
     text = PLAIN.replace(
         "    loss.backward()\n",
-        "    loss.backward()\n    stream = torch.cuda.current_stream()\n",
+        "    loss.backward()\n    torch.cuda.ipc_collect()\n",
     )
-    assert "current_stream()" in text
+    assert "ipc_collect()" in text
     script = _script(tmp_path, text)
-    line = 1 + text.splitlines().index("    stream = torch.cuda.current_stream()")
+    line = 1 + text.splitlines().index("    torch.cuda.ipc_collect()")
     with pytest.raises(ScriptFailed) as e:
         preflight_script(str(script), ["--out", str(tmp_path / "c.pt")], gpu="T4")
     msg = str(e.value)
-    assert f"train.py:{line} (`stream = torch.cuda.current_stream()`)" in msg
-    assert "(torch.cuda.current_stream) would start the real GPU" in msg
+    assert f"train.py:{line} (`torch.cuda.ipc_collect()`)" in msg
+    assert "(torch.cuda.ipc_collect) would start the real GPU" in msg
     assert "in phase backward of step 0" in msg
     assert "Nothing ran on the GPU" in msg and "$OOMCAST_PREFLIGHT=1" in msg
     assert "OOMCAST_PREFLIGHT" not in os.environ  # set only while the script runs
 
     # the way out the message gives: skip the call under preflight
     skipped = text.replace(
-        "    stream = torch.cuda.current_stream()\n",
-        "    if not os.environ.get('OOMCAST_PREFLIGHT'):\n"
-        "        stream = torch.cuda.current_stream()\n",
+        "    torch.cuda.ipc_collect()\n",
+        "    if not os.environ.get('OOMCAST_PREFLIGHT'):\n        torch.cuda.ipc_collect()\n",
     ).replace("import argparse\n", "import argparse\nimport os\n")
     script = _script(tmp_path, skipped, "skipped.py")
     report = preflight_script(str(script), ["--out", str(tmp_path / "c.pt")], gpu="T4", steps=2)
@@ -231,12 +231,12 @@ def test_a_call_that_would_start_the_real_gpu_stops_the_run_naming_its_line(
     ("call", "via"),
     [
         ("torch.cuda.set_per_process_memory_fraction(0.9)", "torch.cuda.memory."),
-        ("torch.cuda.Stream()", "torch.cuda.Stream"),
-        ("torch.cuda.Event(enable_timing=True)", "torch.cuda.Event"),
+        ("torch.cuda.caching_allocator_alloc(1024)", "torch.cuda.caching_allocator_alloc"),
+        ("torch.cuda.ExternalStream(1234)", "torch.cuda.ExternalStream"),
     ],
 )
 def test_every_way_to_the_real_gpu_is_stopped(tmp_path: Path, call: str, via: str) -> None:
-    # torch.cuda's modules that bind _lazy_init by name, and the classes made in C++
+    # torch.cuda's modules that bind _lazy_init by name, and a class made in C++
     text = PLAIN.replace("opt = torch.optim", f"{call}\nopt = torch.optim")
     script = _script(tmp_path, text)
     with pytest.raises(ScriptFailed, match="would start the real GPU") as e:
@@ -244,12 +244,44 @@ def test_every_way_to_the_real_gpu_is_stopped(tmp_path: Path, call: str, via: st
     assert f"(`{call}`)" in str(e.value) and f"({via}" in str(e.value)
 
 
+def test_cuda_events_and_streams_for_timing_run_as_written(tmp_path: Path) -> None:
+    # the common timing loop: events recorded around the step, a side stream for the
+    # batch copy, elapsed_time logged. Nothing of it is GPU memory: it runs, and the
+    # elapsed_time line is named as a stand-in value like loss.item()'s.
+    text = PLAIN.replace(
+        "for step in range(1000):\n",
+        "start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)\n"
+        "side = torch.cuda.Stream()\n"
+        "for step in range(1000):\n"
+        "    start.record()\n",
+    ).replace(
+        "    loss.backward()\n",
+        "    loss.backward()\n"
+        "    with torch.cuda.stream(side):\n"
+        "        side.wait_stream(torch.cuda.current_stream())\n"
+        "    end.record()\n"
+        "    torch.cuda.synchronize()\n"
+        "    ms = start.elapsed_time(end)\n",
+    )
+    script = _script(tmp_path, text)
+    report = preflight_script(str(script), ["--out", str(tmp_path / "c.pt")], gpu="T4", steps=2)
+    base = preflight_script(
+        str(_script(tmp_path, PLAIN, "plain.py")), ["--out", str(tmp_path / "c.pt")], gpu="T4",
+        steps=2,
+    )  # fmt: skip
+    assert report.fits and report.steps == 2
+    assert report.to_json()["peak_allocated_bytes"] == base.to_json()["peak_allocated_bytes"]
+    line = 1 + text.splitlines().index("    ms = start.elapsed_time(end)")
+    [asked] = [n for n in report.notes if f"train.py:{line}:" in n]
+    assert "got a stand-in (float)" in asked and "times)" in asked
+
+
 def test_a_library_s_call_is_named_by_the_script_s_line_through_the_library(
     tmp_path: Path,
 ) -> None:
     lib = tmp_path / "site-packages"
     lib.mkdir()
-    (lib / "timing.py").write_text("import torch\n\ndef sync():\n    torch.cuda.current_stream()\n")
+    (lib / "timing.py").write_text("import torch\n\ndef sync():\n    torch.cuda.ipc_collect()\n")
     text = PLAIN.replace(
         "opt = torch.optim",
         f"import sys; sys.path.insert(0, {str(lib)!r})\nimport timing\n"

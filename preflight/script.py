@@ -179,6 +179,15 @@ class _Event:
         self._tracker.note_stand_in("float")
         return 1.0
 
+    cuda_event = 0
+
+    def ipc_handle(self) -> Any:
+        raise RealGpuCall("torch.cuda.Event.ipc_handle")
+
+    @classmethod
+    def from_ipc_handle(cls, device: Any, handle: Any) -> Any:
+        raise RealGpuCall("torch.cuda.Event.from_ipc_handle")
+
 
 class _Stream:
     """``torch.cuda.Stream`` (and the current and default streams) on the emulated GPU:
@@ -187,9 +196,15 @@ class _Stream:
     _tracker: ScriptTracker  # set on the class made for each traced run
     _event: type[_Event]
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    device_index, device_type, stream_id, cuda_stream = 0, 1, 0, 0  # as the first GPU's
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
         self.device = torch.device("cuda", 0)
-        self.priority = 0
+        self.priority = priority
+
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        return (0, -1)
 
     def synchronize(self) -> None:
         return None
@@ -205,12 +220,6 @@ class _Stream:
 
     def record_event(self, event: Any = None) -> Any:
         return event if event is not None else self._event()
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Stream)
-
-    def __hash__(self) -> int:
-        return 0
 
     def __enter__(self) -> _Stream:
         return self
@@ -812,6 +821,7 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
     # per run, so that an elapsed_time's stand-in is counted by this run's tracker
     event = type("Event", (_Event,), {"_tracker": tracker})
     stream = type("Stream", (_Stream,), {"_tracker": tracker, "_event": event})
+    current = stream()  # the one current (and default) stream: the same object each time
     patches = {
         "is_available": lambda: True,
         "device_count": lambda: 1,
@@ -836,10 +846,10 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
         # streams and events, for timing and overlap: emulated (nothing to allocate)
         "Event": event,
         "Stream": stream,
-        "current_stream": lambda *a, **k: stream(),
-        "default_stream": lambda *a, **k: stream(),
+        "current_stream": lambda *a, **k: current,
+        "default_stream": lambda *a, **k: current,
         "set_stream": noop,
-        "stream": lambda s=None: contextlib.nullcontext(s),
+        "stream": lambda stream=None: contextlib.nullcontext(stream),
         # every other way to a CUDA context (a custom kernel, a tensor made on the device
         # outside the fake mode, an external stream, a raw allocation) stops the run before
         # it gets one
@@ -872,8 +882,11 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
         # an external stream wraps a real one, made in C++ without torch.cuda._lazy_init:
         # its constructor stops the run instead
         if isinstance(getattr(cuda, "ExternalStream", None), type):
-            refusing = _refusing(cuda.ExternalStream)
-            stack.enter_context(_patched(cuda, "ExternalStream", refusing))
+            original = cuda.ExternalStream
+            refusing = _refusing(original)
+            for mod in [cuda, *modules]:
+                if getattr(mod, "ExternalStream", None) is original:
+                    stack.enter_context(_patched(mod, "ExternalStream", refusing))
         # Mixed precision: the tensors here are CPU tensors, which autocast("cuda") leaves
         # alone; the same autocast on the CPU casts the same kind of ops (matmuls, convs,
         # attention) to the lower precision, so activations are counted at their size.

@@ -311,8 +311,8 @@ def binding_ceilings(
 
     out: dict[str, dict[str, Any]] = {}
     for name, fa, near in (("false_alarms", 1.0, 0.5), ("near_misses", MAX_FALSE_ALARMS, 1.0)):
-        free = best_rule(score_rules(seqs, risks, fa, near), fa)
-        if free.recall_30 >= float(rule["recall_30"]) + CEILING_GAIN:
+        free = best_rule(score_rules(seqs, risks, fa, near), fa, near)
+        if free.recall_30 >= float(rule["recall_30"]) + CEILING_GAIN - 1e-9:
             out[name] = {
                 "horizon_s": free.horizon_s,
                 "fire_risk": float(free.fire_risk),

@@ -194,12 +194,15 @@ def first_run(fired: np.ndarray, n: int) -> int | None:
     return int(hit[0]) if len(hit) else None
 
 
-def best_rule(rules: list[ScoredRule], max_false_alarms: float) -> ScoredRule:
+def best_rule(
+    rules: list[ScoredRule], max_false_alarms: float, max_near_warned: float = 0.5
+) -> ScoredRule:
     """The rule that catches most OOMs 30 s ahead (then 10 s ahead). ``score_rules`` already
     holds every rule to the false-alarm ceiling (rounded to the nearest run per group);
-    rules from elsewhere over ``max_false_alarms`` by more than that rounding are left out."""
+    rules from elsewhere over ``max_false_alarms`` by more than that rounding, or alerting on
+    more than ``max_near_warned`` of the near misses, are left out."""
     ok = [r for r in rules if r.false_alarm_rate <= max(max_false_alarms, 0.03)
-          and r.near_miss_warned <= 0.5 + 1e-9]  # fmt: skip
+          and r.near_miss_warned <= max_near_warned + 1e-9]  # fmt: skip
     if not ok:
         return min(rules, key=lambda r: (r.false_alarm_rate, -r.recall_30))
     return max(

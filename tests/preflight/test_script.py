@@ -257,8 +257,10 @@ def test_cuda_events_and_streams_for_timing_run_as_written(tmp_path: Path) -> No
     ).replace(
         "    loss.backward()\n",
         "    loss.backward()\n"
-        "    with torch.cuda.stream(side):\n"
+        "    with torch.cuda.stream(stream=side):\n"
         "        side.wait_stream(torch.cuda.current_stream())\n"
+        "        assert torch.cuda.current_stream() == torch.cuda.current_stream() != side\n"
+        "        assert side.cuda_stream == 0 and side.device_index == 0\n"
         "    end.record()\n"
         "    torch.cuda.synchronize()\n"
         "    ms = start.elapsed_time(end)\n",

@@ -383,6 +383,15 @@ def test_a_ceiling_that_holds_the_rule_back_is_named_with_what_dropping_it_buys(
     rule, _ = rc.choose_rule(seqs, risks)
     binding = rc.binding_ceilings(seqs, risks, rule)
     assert set(binding) == {"false_alarms"} and binding["false_alarms"]["recall_30"] == 1.0
+    # a horizon that alerts on no near miss (and warns nothing) must not hide the others
+    seqs, risks = map(list, zip(*leaks, *near, *quiet, strict=True))
+    risks = [r.copy() for r in risks]
+    for r in risks:
+        r[:, 0] = 0.0  # the 5 s horizon: quiet everywhere
+    rule, _ = rc.choose_rule(seqs, risks)
+    assert rule["recall_30"] == 0.0
+    binding = rc.binding_ceilings(seqs, risks, rule)
+    assert set(binding) == {"near_misses"} and binding["near_misses"]["recall_30"] == 1.0
     # nothing holds back a rule that already warns them all
     seqs, risks = map(list, zip(*leaks, *quiet, strict=True))
     rule, _ = rc.choose_rule(seqs, risks)

@@ -11,6 +11,12 @@
   allocation terms (docs/phases.md); it is not a sample field.
   The device is named by its UUID as NVML writes it (``GPU-xxxxxxxx-...``), else
   ``cuda{i}``; never ``gpu{i}``, the node agent's NVML name for the whole GPU.
+  A process capped by ``torch.cuda.set_per_process_memory_fraction(f)`` runs out when its
+  allocator's reservation would pass ``f x total``, long before the device is full: the
+  sample's total is then that allowance and its used is ``max(reserved, allowance - free)``
+  (the reservation, or less room where other processes leave the device fuller), so the
+  sample's headroom is the tighter of the two limits. NVML cannot see the cap: the node
+  agent's view of the same GPU stays the whole device.
 * :class:`HostReader` (no CUDA): this process's resident memory (``proc:{pid}``, through
   :class:`~oomcast.collectors.procinfo.SelfMemory`) against its memory cgroup's limit
   (:func:`memory_limit_bytes`), or MemTotal when it has none. The peak is the kernel's
@@ -206,6 +212,11 @@ class CudaReader:
         self.allocated_peak_bytes = peak_allocated
         free, total = cuda.mem_get_info(i)
         used = max(0, total - free)
+        allowance = self._allowance(total)
+        if allowance is not None:
+            # the allocator stops at the allowance; the device's free memory still counts
+            # where neighbours leave less than the allowance's own headroom
+            total, used = allowance, max(reserved, allowance - free)
         # other processes and the CUDA context do not move within a step: the device's
         # peak is today's use plus how far the allocator's reservation rose above today's
         peak = None if peak_reserved is None else used + max(0, peak_reserved - reserved)
@@ -225,6 +236,20 @@ class CudaReader:
             phase=phase,
         )
         return sample, ooms
+
+    def _allowance(self, total: int) -> int | None:
+        """``fraction x total`` when ``set_per_process_memory_fraction`` capped this process
+        below the whole device; None when it did not, or torch cannot say."""
+        get = getattr(self.torch.cuda, "get_per_process_memory_fraction", None)
+        if get is None:  # torch before 2.7 has no getter
+            return None
+        try:
+            fraction = float(get(self.index))
+        except Exception:  # a reading that fails is no cap, not a lost sample
+            return None
+        if not 0.0 < fraction < 1.0:
+            return None
+        return int(fraction * total)
 
     def refresh(self) -> None:
         """Nothing to refresh: the device reports its total at every read."""

@@ -10,7 +10,9 @@ batch sizes each, ``--steps 3``: train steps, the script's eval and its checkpoi
    run ``--jobs`` at a time (each process has its own peak figures).
 2. ``predicted``: ``preflight_script`` at unlimited capacity (the GPU emulated: no CUDA
    context may be made), peak allocated and reserved bytes from its replay, which rounds
-   blocks as the CUDA caching allocator does.
+   blocks as the CUDA caching allocator does. Each prediction also says whether torch
+   initialised CUDA (``cuda_initialized``) and whether NVML lists the process among the
+   GPU's compute processes (``gpu_context``; None without NVML): both must stay false.
 
     python -m oomcast.bench.preflight.scripts_gpu --truth-only --jobs 6 --out truth.json  # GPU
     python -m oomcast.bench.preflight.scripts_gpu --join truth.json      # predictions, here
@@ -58,6 +60,27 @@ print("TRUTH " + json.dumps({
 """
 
 
+def holds_gpu_context(pid: int | None = None) -> bool | None:
+    """Whether NVML lists ``pid`` (default: this process) among a GPU's compute processes,
+    which every process with a CUDA context is; None without NVML or a GPU."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+    except Exception:  # no NVML library, no driver: nothing to ask
+        return None
+    pid = os.getpid() if pid is None else pid
+    try:
+        for i in range(count):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            if any(p.pid == pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)):
+                return True
+        return False
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def predict(name: str, out: Path) -> dict[str, Any]:
     import torch
 
@@ -81,6 +104,8 @@ def predict(name: str, out: Path) -> dict[str, Any]:
         "steps": report.steps,
         "seconds": round(time.monotonic() - started, 2),
         "cuda_initialized": bool(torch.cuda.is_initialized()),  # type: ignore[no-untyped-call]
+        # the same question asked of the driver: does this process hold a CUDA context?
+        "gpu_context": holds_gpu_context(),
     }
 
 

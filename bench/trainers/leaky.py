@@ -5,7 +5,10 @@ The model is a small MLP regressing a synthetic target; it trains for real (the 
 From step ``--leak-after`` on it makes a common mistake: it keeps every step's output tensor
 to compute an epoch-level metric later (``outputs.append(out)`` instead of
 ``out.detach().cpu()`` of a summary), so each step pins ``batch x width`` floats more. Under a
-memory cgroup limit the kernel eventually kills it.
+memory cgroup limit the kernel eventually kills it. With ``--device cuda`` the same loop runs
+on a GPU, where ``--memory-fraction`` caps the process
+(``torch.cuda.set_per_process_memory_fraction``) so that the leak meets a real CUDA
+``OutOfMemoryError`` in seconds rather than after filling the whole card.
 
 It honours checkpoint requests through the hook: when ``hook.checkpoint_requested`` is set
 it saves model, optimizer and step to ``--checkpoint-dir`` (write to a temporary name, then
@@ -49,6 +52,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--step-s", type=float, default=0.05, help="pause per step (data loading)")
     ap.add_argument("--checkpoint-dir", type=Path, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (needs a GPU)")
+    ap.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=None,
+        help="cuda: cap this process at this fraction of the GPU (0-1]",
+    )
     ap.add_argument("--no-hook", action="store_true", help="run without oomcast")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -57,6 +67,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from oomcast.collectors.hook import MemoryHook
 
+    if args.memory_fraction is not None and not 0.0 < args.memory_fraction <= 1.0:
+        ap.error(f"--memory-fraction must be in (0, 1], not {args.memory_fraction}")
+    if args.memory_fraction is not None and args.device != "cuda":
+        ap.error("--memory-fraction caps a GPU: it needs --device cuda")
+    device = torch.device(args.device)
+    if args.memory_fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(args.memory_fraction, device)
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     model = torch.nn.Sequential(
@@ -65,17 +82,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.nn.Linear(args.width, args.width),
         torch.nn.ReLU(),
         torch.nn.Linear(args.width, 1),
-    )
+    ).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    w_true = torch.randn(64, 1)
-    hook = MemoryHook(job=args.job, enabled=not args.no_hook)
+    w_true = torch.randn(64, 1, device=device)
+    on_gpu = device.type == "cuda"
+    hook = MemoryHook(
+        job=args.job,
+        enabled=not args.no_hook,
+        mode="cuda" if on_gpu else "host",
+        device=device if on_gpu else None,
+    )
     outputs: list[torch.Tensor] = []  # the bug: every step's activations, kept "for later"
     saved: list[str] = []
     print(f"pid {os.getpid()} job {args.job} hook mode {hook.mode}", flush=True)
     try:
         with hook.guard():
             for step in range(1, args.steps + 1):
-                x = torch.randn(args.batch, 64)
+                x = torch.randn(args.batch, 64, device=device)
                 y = x @ w_true
                 hidden = model[:4](x)
                 out = model[4](hidden)

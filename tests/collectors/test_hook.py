@@ -510,6 +510,10 @@ class FakeCuda:
         self.resets = 0
         self.observers: list[Callable[..., None]] = []
         self.props: Any = SimpleNamespace(uuid=FakeUuid(UUID))
+        self.fraction = 1.0  # torch.cuda.set_per_process_memory_fraction's, 1.0 when unset
+
+    def get_per_process_memory_fraction(self, device: int) -> float:
+        return self.fraction
 
     def memory_stats(self, device: int) -> dict[str, int]:
         self.devices_asked.append(device)
@@ -538,6 +542,9 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset_peak_memory_stats)
     monkeypatch.setattr(torch.cuda, "mem_get_info", fake.mem_get_info)
     monkeypatch.setattr(
+        torch.cuda, "get_per_process_memory_fraction", fake.get_per_process_memory_fraction
+    )
+    monkeypatch.setattr(
         torch._C, "_cuda_attach_out_of_memory_observer", fake.observers.append, raising=False
     )
     return fake
@@ -565,6 +572,46 @@ def test_cuda_sample_fields_and_uuid_device(
     assert (second.used_bytes, second.peak_bytes, second.alloc_retries) == (60 * GIB, 60 * GIB, 5)
     assert fake_cuda.resets == 2
     assert set(fake_cuda.devices_asked) == {0}
+
+
+def test_a_memory_fraction_cap_is_the_samples_capacity(
+    fake_cuda: FakeCuda, make_hook: Callable[..., MemoryHook], rclient: redis.Redis
+) -> None:
+    # set_per_process_memory_fraction(0.5) on 80 GiB: the allocator stops at 40 GiB reserved
+    hook = make_hook("gpu-job")
+    fake_cuda.fraction = 0.5
+    fake_cuda.stats["reserved_bytes.all.current"] = 30 * GIB
+    fake_cuda.stats["reserved_bytes.all.peak"] = 36 * GIB
+    hook.step()  # the device has 30 GiB free: more than the cap leaves (10 GiB)
+    fake_cuda.free = 4 * GIB  # a neighbour filled the device: now less room than the cap's
+    hook.step()
+    fake_cuda.fraction = 1.0  # the cap lifted: the whole device again
+    hook.step()
+    assert hook.close()
+    capped, crowded, whole = (d.sample for d in read_samples(rclient, hook))
+    assert (capped.total_bytes, capped.used_bytes) == (40 * GIB, 30 * GIB)
+    assert capped.peak_bytes == 36 * GIB  # used + how far the reservation rose above it
+    assert (crowded.total_bytes, crowded.used_bytes) == (40 * GIB, 36 * GIB)  # 4 GiB left
+    assert (whole.total_bytes, whole.used_bytes) == (80 * GIB, 76 * GIB)
+
+
+def test_a_fraction_torch_cannot_read_is_no_cap(
+    fake_cuda: FakeCuda,
+    make_hook: Callable[..., MemoryHook],
+    rclient: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    def broken(device: int) -> float:
+        raise RuntimeError("no such device")
+
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", broken)
+    hook = make_hook("gpu-job")
+    hook.step()
+    assert hook.close()
+    (sample,) = (d.sample for d in read_samples(rclient, hook))
+    assert (sample.total_bytes, sample.used_bytes) == (80 * GIB, 50 * GIB)
 
 
 def test_track_peak_off_leaves_the_peaks_alone(

@@ -118,17 +118,33 @@ class RealGpuCall(BaseException):  # not an Exception: a script's ``except Excep
         self.via = via
 
 
+# oomcast's own source: a wheel's ``oomcast/<folder>``, or in an editable install the
+# checkout's top-level folders (setup.py's TOP), never the checkout itself, where a virtual
+# environment (torch, the libraries) may sit beside them. The example scripts of the
+# accuracy bench are scripts like any user's.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OURS = tuple(
+    os.path.join(_ROOT, folder) + os.sep
+    for folder in ("model", "collectors", "service", "training", "preflight", "cli", "bench")
+)
+_EXAMPLES = os.path.join(_ROOT, "bench", "preflight", "scripts") + os.sep
+
+
+def _ours(filename: str) -> bool:
+    """Whether a frame's file is oomcast's own code (not a script it runs)."""
+    return filename.startswith(_OURS) and not filename.startswith(_EXAMPLES)
+
+
 def _refuse_real_cuda(*args: Any, **kwargs: Any) -> None:
     """``torch.cuda._lazy_init`` while a script is traced: raise :class:`RealGpuCall`."""
     torch_dir = os.path.dirname(torch.__file__)
-    ours = os.path.dirname(os.path.dirname(__file__))
     via = None
     for frame in reversed(traceback.extract_stack()[:-1]):  # from here outwards
         if frame.filename.startswith(torch_dir):
             rel = os.path.relpath(frame.filename, os.path.dirname(torch_dir))
             mod = rel.removesuffix(".py").removesuffix("/__init__").replace(os.sep, ".")
             via = f"{mod}.{frame.name}"  # the outermost torch frame: what the script called
-        elif not frame.filename.startswith(ours):
+        elif not _ours(frame.filename):
             break
     raise RealGpuCall(via)
 
@@ -312,14 +328,13 @@ class ScriptTracker(PhaseTracker):  # type: ignore[no-untyped-call]  # torch: un
     def _caller(self) -> tuple[str, str]:
         """The line that asked for a value: the innermost frame outside oomcast, or ("", "")
         when that frame is inside torch itself."""
-        ours = os.path.dirname(os.path.dirname(__file__))
         theirs = os.path.dirname(torch.__file__)
         machinery = tuple(
             os.path.join(theirs, *part.split("/"))
             for part in ("_compile.py", "_dynamo/", "utils/_python_dispatch.py", "_subclasses/")
         )
         for frame in reversed(traceback.extract_stack()):
-            if frame.filename.startswith((ours, *machinery)):
+            if _ours(frame.filename) or frame.filename.startswith(machinery):
                 continue
             if frame.filename.startswith(theirs):
                 return "", ""
@@ -1205,12 +1220,12 @@ def _explain(exc: BaseException, name: str, tracker: ScriptTracker) -> str:
     """Where the script failed, by its own line, and whether fake tensors were the cause."""
     from oomcast.preflight.capture import is_fake_error
 
-    ours = os.path.dirname(os.path.dirname(__file__))
     frames = [
         f
         for f in traceback.extract_tb(exc.__traceback__)
-        if not f.filename.startswith((os.path.dirname(torch.__file__), ours))
-        and not f.filename.endswith("runpy.py")
+        if not f.filename.startswith(os.path.dirname(torch.__file__))
+        and not _ours(f.filename)
+        and f.filename not in ("<frozen runpy>", runpy.__file__)
     ]
     where = ""
     own = [f for f in frames if not _is_library(f.filename)]

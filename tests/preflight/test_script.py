@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -89,6 +90,26 @@ def test_a_plain_script_is_checked_as_written(tmp_path: Path) -> None:
     assert report.fits and report.device == "cpu"
     item = [n for n in report.notes if f"train.py:{ITEM_LINE}:" in n]
     assert item and "loss.item()" in item[0] and "stand-in" in item[0], report.notes
+    # AdamW reads its own step counts (torch's business, not a line of the script to warn of)
+    assert not [n for n in report.notes if "opt.step()" in n], report.notes
+
+
+def test_oomcast_s_own_frames_are_its_folders_not_what_sits_beside_them() -> None:
+    from oomcast.preflight import script as s
+
+    root = s._ROOT
+    assert s._ours(os.path.join(root, "preflight", "tracker.py"))
+    assert s._ours(os.path.join(root, "training", "capture.py"))
+    # an editable install's checkout may hold the virtual environment: torch is not ours
+    venv_torch = os.path.join(root, ".venv", "lib", "site-packages", "torch", "optim", "adam.py")
+    assert not s._ours(venv_torch)
+    # the accuracy bench's example scripts are scripts, named by their own lines
+    assert not s._ours(os.path.join(root, "bench", "preflight", "scripts", "mlp.py"))
+    # every folder the package installs (setup.py's TOP) is covered
+    top = re.search(r"TOP = \((.*?)\)", (Path(__file__).parents[2] / "setup.py").read_text())
+    assert top is not None
+    folders = {f.strip().strip('"') for f in top.group(1).split(",") if f.strip()}
+    assert {os.path.join(root, f) + os.sep for f in folders} == set(s._OURS)
 
 
 @pytest.mark.slow  # seconds of fake training

@@ -237,11 +237,37 @@ class _Stream:
     def record_event(self, event: Any = None) -> Any:
         return event if event is not None else self._event()
 
+    def is_capturing(self) -> bool:  # CUDA graph capture: never, on the emulated GPU
+        return False
+
     def __enter__(self) -> _Stream:
         return self
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def _on_the_gpu(device: Any) -> bool:
+    """Whether a device argument of ``torch.Stream``/``torch.Event`` names the emulated GPU:
+    ``"cuda"``, ``"cuda:N"``, a CUDA ``torch.device``, an index or nothing (the current
+    accelerator, which is the GPU under preflight)."""
+    if device is None or (isinstance(device, int) and not isinstance(device, bool)):
+        return True
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _device_generic(original: type, emulated: type) -> type:
+    """``torch.Stream`` or ``torch.Event`` (device-generic, torch 2.5+) under preflight: one
+    for the GPU is the emulated class's; one for any other device is torch's own."""
+
+    def __new__(cls: type, device: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if _on_the_gpu(device) and not args:
+            return emulated(**kwargs)
+        return original(device, *args, **kwargs)
+
+    return type(original.__name__, (), {"__new__": __new__, "__module__": original.__module__})
 
 
 def _pinned(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -865,6 +891,7 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
         "default_stream": lambda *a, **k: current,
         "set_stream": noop,
         "stream": lambda stream=None: contextlib.nullcontext(stream),
+        "is_current_stream_capturing": lambda: False,
         # every other way to a CUDA context (a custom kernel, a tensor made on the device
         # outside the fake mode, an external stream, a raw allocation) stops the run before
         # it gets one
@@ -880,28 +907,41 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
         "reset_peak_memory_stats": lambda *a, **k: setattr(
             tracker, "peak_bytes", tracker.live_bytes
         ),
+        "memory_stats": lambda *a, **k: _traced_stats(tracker),
     }
-    with contextlib.ExitStack() as stack:
-        # torch.cuda's own modules bind some of these by name (``from . import
-        # _lazy_init``; torch.cuda.random.get_rng_state is torch.cuda.get_rng_state): each
-        # binding of the same function is patched, or a call through it would reach the GPU
-        modules = [m for n, m in list(sys.modules.items()) if n.startswith("torch.cuda.")]
-        for name, value in patches.items():
-            if not hasattr(cuda, name):
-                continue
-            original = getattr(cuda, name)
-            stack.enter_context(_patched(cuda, name, value))
-            for mod in modules:
-                if getattr(mod, name, None) is original:
-                    stack.enter_context(_patched(mod, name, value))
+    if isinstance(getattr(cuda, "ExternalStream", None), type):
         # an external stream wraps a real one, made in C++ without torch.cuda._lazy_init:
         # its constructor stops the run instead
-        if isinstance(getattr(cuda, "ExternalStream", None), type):
-            original = cuda.ExternalStream
-            refusing = _refusing(original)
-            for mod in [cuda, *modules]:
-                if getattr(mod, "ExternalStream", None) is original:
-                    stack.enter_context(_patched(mod, "ExternalStream", refusing))
+        patches["ExternalStream"] = _refusing(cuda.ExternalStream)
+    # torch.accelerator (torch 2.6+), the device-generic spelling that newer scripts and
+    # tutorials use (``torch.accelerator.current_accelerator().type if
+    # torch.accelerator.is_available() else "cpu"``): the same GPU, the same figures
+    accelerator = {
+        "is_available": lambda *a, **k: True,
+        "device_count": lambda: 1,
+        "current_accelerator": lambda *a, **k: torch.device("cuda"),
+        "current_device_index": lambda: 0,
+        "current_device_idx": lambda: 0,
+        "set_device_index": noop,
+        "set_device_idx": noop,
+        "device_index": lambda *a, **k: contextlib.nullcontext(),
+        "get_device_capability": lambda *a, **k: {"major": 9, "minor": 0},
+        "current_stream": lambda *a, **k: current,
+        "set_stream": noop,
+        "synchronize": noop,
+        "empty_cache": noop,
+        "empty_host_cache": noop,
+        "reset_accumulated_memory_stats": noop,
+        "get_memory_info": lambda *a, **k: (total, total),
+        **{k: patches[k] for k in _TRACED_FIGURES},
+    }
+    with contextlib.ExitStack() as stack:
+        _patch_everywhere(stack, "torch.cuda", patches)
+        _patch_everywhere(stack, "torch.accelerator", accelerator)
+        for generic, emulated in (("Stream", stream), ("Event", event)):
+            if isinstance(getattr(torch, generic, None), type):
+                made = _device_generic(getattr(torch, generic), emulated)
+                stack.enter_context(_patched(torch, generic, made))
         # Mixed precision: the tensors here are CPU tensors, which autocast("cuda") leaves
         # alone; the same autocast on the CPU casts the same kind of ops (matmuls, convs,
         # attention) to the lower precision, so activations are counted at their size.
@@ -915,6 +955,52 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
         scaler = torch.amp.grad_scaler.GradScaler
         stack.enter_context(_patched(scaler, "_maybe_opt_step", _always_step))
         yield
+
+
+# the memory figures a script may log: the traced bytes (torch.cuda's and torch.accelerator's)
+_TRACED_FIGURES = (
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "reset_peak_memory_stats",
+    "memory_stats",
+)
+
+
+def _traced_stats(tracker: ScriptTracker) -> dict[str, int]:
+    """``memory_stats()``'s usual keys, from the traced bytes (reserved reads as allocated,
+    as ``memory_reserved`` does here; no retries or OOMs happen in a trace)."""
+    live, peak = tracker.live_bytes, tracker.peak_bytes
+    return {
+        "allocated_bytes.all.current": live,
+        "allocated_bytes.all.peak": peak,
+        "reserved_bytes.all.current": live,
+        "reserved_bytes.all.peak": peak,
+        "active_bytes.all.current": live,
+        "active_bytes.all.peak": peak,
+        "num_alloc_retries": 0,
+        "num_ooms": 0,
+    }
+
+
+def _patch_everywhere(stack: contextlib.ExitStack, package: str, patches: dict[str, Any]) -> None:
+    """Patch ``package``'s functions, and every binding of the same function in its
+    submodules: torch's own modules bind some by name (``from . import _lazy_init``;
+    ``torch.cuda.random.get_rng_state`` is ``torch.cuda.get_rng_state``), and a call through
+    an unpatched binding would reach the GPU. Names the installed torch lacks are skipped."""
+    top = sys.modules.get(package)
+    if top is None:
+        return
+    modules = [m for n, m in list(sys.modules.items()) if n.startswith(package + ".")]
+    for name, value in patches.items():
+        if not hasattr(top, name):
+            continue
+        original = getattr(top, name)
+        stack.enter_context(_patched(top, name, value))
+        for mod in modules:
+            if getattr(mod, name, None) is original:
+                stack.enter_context(_patched(mod, name, value))
 
 
 def _always_step(scaler: Any, optimizer: Any, state: Any, *args: Any, **kwargs: Any) -> Any:

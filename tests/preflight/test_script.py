@@ -299,6 +299,38 @@ def test_cuda_events_and_streams_for_timing_run_as_written(tmp_path: Path) -> No
     assert "got a stand-in (float)" in asked and "times)" in asked
 
 
+def test_the_device_generic_accelerator_api_takes_the_gpu_path(tmp_path: Path) -> None:
+    # the idiom of PyTorch's own tutorials since 2.6: without the emulation the script
+    # trained on the CPU for real and preflight said it fits in 2 MiB
+    text = PLAIN.replace(
+        'device = "cuda" if torch.cuda.is_available() else "cpu"',
+        "device = torch.accelerator.current_accelerator().type"
+        ' if torch.accelerator.is_available() else "cpu"\n'
+        'assert device == "cuda" and torch.accelerator.device_count() == 1\n'
+        "side = torch.Stream(device=device)\n"
+        "start, end = torch.Event(enable_timing=True), torch.Event(enable_timing=True)\n"
+        'assert torch.Stream(device="cpu").device_type != side.device_type',
+    ).replace(
+        "    loss.backward()\n",
+        "    start.record()\n"
+        "    loss.backward()\n"
+        "    side.wait_stream(torch.accelerator.current_stream())\n"
+        "    end.record()\n"
+        "    torch.accelerator.synchronize()\n"
+        "    print(start.elapsed_time(end), torch.accelerator.max_memory_allocated(),\n"
+        '          torch.cuda.memory_stats()["allocated_bytes.all.peak"])\n',
+    )
+    script = _script(tmp_path, text)
+    report = preflight_script(str(script), ["--out", str(tmp_path / "c.pt")], gpu="T4", steps=2)
+    base = preflight_script(
+        str(_script(tmp_path, PLAIN, "plain.py")), ["--out", str(tmp_path / "c.pt")], gpu="T4",
+        steps=2,
+    )  # fmt: skip
+    assert report.fits and report.steps == 2
+    assert report.to_json()["peak_allocated_bytes"] == base.to_json()["peak_allocated_bytes"]
+    assert report.to_json()["peak_allocated_bytes"] >= 4 * PARAM_BYTES  # AdamW's, on the GPU
+
+
 def test_a_library_s_call_is_named_by_the_script_s_line_through_the_library(
     tmp_path: Path,
 ) -> None:

@@ -66,6 +66,25 @@ STEP_WINDOW = 33  # step changes kept for the step rate (32 intervals)
 ARRIVAL_GRACE_S = 30.0
 MAX_ARRIVALS = 8  # announced arrivals kept per domain (the latest)
 MIN_RATE_STEPS = 2  # steps the window must span before the measured rate is used
+# A periodic phase (eval, checkpoint) whose measured figure grew at each of its last two
+# measurements by more than this share is taken to grow again by as much at its next
+# occurrence (an eval that keeps more outputs each time, a checkpoint of a growing state):
+# linear, the gentler guess when the growth may be geometric.
+GROWTH_MIN_FRAC = 0.05
+FIGURES_KEPT = 3  # measured figures kept per phase for that
+# The level between steps that creeps up (a slow leak, a growing cache) is projected to the
+# time a phase comes, at its slope over the last CREEP_WINDOW_S seconds of step starts, when
+# they span at least CREEP_MIN_SPAN_S and the slope is at least CREEP_MIN_T standard errors
+# above zero (a level that only wanders projects nothing).
+CREEP_WINDOW_S = 120.0
+CREEP_MIN_SPAN_S = 30.0
+CREEP_MIN_POINTS = 6
+CREEP_MIN_T = 3.0
+CREEP_HALF_SHARE = 0.5  # each half of the window must rise at least this share of the slope
+# step-start levels are kept at most one per LEVEL_SPACING_S, LEVELS_KEPT of them: the
+# window at any step rate, and a bounded snapshot
+LEVEL_SPACING_S = 1.0
+LEVELS_KEPT = 128
 
 
 def committed_bytes(sample: Sample) -> int | None:
@@ -89,9 +108,10 @@ def level_of(sample: Sample) -> int:
 class PhaseForecast:
     """The earliest scheduled phase that will not fit: it comes in ``time_to_oom_s``
     seconds (``steps_away`` steps) and needs ``extra_bytes`` above the current level, more
-    than the ``headroom_bytes`` left (total less the level, less the margin; the level is
-    the use, or in allocation terms what is held outside the allocator plus what it has
-    allocated: :func:`committed_bytes`)."""
+    than the ``headroom_bytes`` left when it comes (total less the level, less the margin,
+    less what a level that creeps up between steps takes until then; the level is the use,
+    or in allocation terms what is held outside the allocator plus what it has allocated:
+    :func:`committed_bytes`)."""
 
     phase: str
     time_to_oom_s: float
@@ -142,6 +162,15 @@ class PhaseState:
     arrivals: dict[str, tuple[float, int, int]] = field(default_factory=dict)
     # of those, the ones that did not fit at the last sample before they landed
     unfit: set[str] = field(default_factory=set)
+    # the measured figures of each periodic phase's last FIGURES_KEPT occurrences, oldest
+    # first, as [step it ran at, bytes]: a figure measured again for the same occurrence
+    # (a hook that publishes as the phase goes) replaces the one before
+    history: dict[str, list[list[int]]] = field(default_factory=dict)
+    # (ts, level_of) of the first sample of recent steps (one per LEVEL_SPACING_S): the
+    # creep between phases
+    levels: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=LEVELS_KEPT))
+    # creep_bytes_per_s of the levels as they are (None: not worked out since they changed)
+    _creep: float | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able, for the snapshot a replica taking the domain over restores."""
@@ -165,6 +194,10 @@ class PhaseState:
                 }
                 for job, (at, need, peak) in self.arrivals.items()
             ],
+            "history": {
+                phase: [list(pair) for pair in figs] for phase, figs in self.history.items()
+            },
+            "levels": [[ts, level] for ts, level in self.levels],
         }
 
     @classmethod
@@ -220,6 +253,8 @@ class PhaseState:
             state.on_arrival(ev)
             if raw.get("unfit") is True:
                 state.unfit.add(_arrival_key(ev))
+        state.history = _parse_history(data.get("history", {}))
+        state.levels.extend(_parse_levels(data.get("levels", [])))
         return state
 
     def on_arrival(self, event: ArrivalEvent) -> None:
@@ -278,6 +313,7 @@ class PhaseState:
                 self.extra_bytes[phase] = extra
             if is_measured:
                 self.measured.add(phase)
+                self._figure_measured(phase, extra)
                 if phase == "optimizer":
                     self.last_ran.setdefault("optimizer", 0)
         self.peak_bytes = {
@@ -295,9 +331,14 @@ class PhaseState:
                 steps.clear()
                 self.last_ran.clear()
                 self.load_start = None
+                self.levels.clear()
+                self._creep = None
             if not steps or step != steps[-1][1]:
                 steps.append((sample.ts, step))
                 self.step_start_bytes = level_of(sample)
+                if not self.levels or sample.ts - self.levels[-1][0] >= LEVEL_SPACING_S:
+                    self.levels.append((sample.ts, self.step_start_bytes))
+                    self._creep = None
             if step == 0 and self.load_start is None:
                 loaded = sample.allocated_bytes
                 self.load_start = (sample.ts, sample.used_bytes if loaded is None else loaded)
@@ -333,6 +374,57 @@ class PhaseState:
             extra = max(extra, self.extra_bytes.get(phase, 0))
         self.extra_bytes[phase] = extra
         self.measured.add(phase)
+        self._figure_measured(phase, extra)
+
+    def _figure_measured(self, phase: str, extra: int) -> None:
+        """Keep a periodic phase's measured figure, as the figure of its latest occurrence
+        (the step it last ran at; -1 before any sample showed it run)."""
+        if phase not in ("eval", "checkpoint"):
+            return
+        at = self.last_ran.get(phase, -1)
+        figs = self.history.setdefault(phase, [])
+        if figs and figs[-1][0] == at:
+            figs[-1][1] = extra
+        else:
+            figs.append([at, extra])
+            del figs[:-FIGURES_KEPT]
+
+    def next_figure(self, phase: str) -> int | None:
+        """The bytes ``phase`` will need next time: its figure, or, where each of its last
+        two measured figures grew by more than ``GROWTH_MIN_FRAC`` on the one before, the
+        last one plus the last growth (see ``GROWTH_MIN_FRAC``)."""
+        extra = self.extra_bytes.get(phase)
+        figs = [fig for _, fig in self.history.get(phase, [])]
+        if extra is None or phase not in self.measured or len(figs) < 3 or figs[-1] != extra:
+            return extra
+        a, b, c = figs[-3:]
+        if b > a * (1 + GROWTH_MIN_FRAC) and c > b * (1 + GROWTH_MIN_FRAC):
+            return c + (c - b)
+        return extra
+
+    def creep_bytes_per_s(self) -> float:
+        """How fast the level between steps rises: the least-squares slope of the step starts
+        of the ``CREEP_WINDOW_S`` seconds up to the latest, where it is clear of noise (see
+        the constants); 0.0 otherwise, and never negative. Worked out once per new level."""
+        if self._creep is None:
+            self._creep = self._slope()
+        return self._creep
+
+    def _slope(self) -> float:
+        if not self.levels:
+            return 0.0
+        last = self.levels[-1][0]
+        pts = [(t, level) for t, level in self.levels if t >= last - CREEP_WINDOW_S]
+        if len(pts) < CREEP_MIN_POINTS or pts[-1][0] - pts[0][0] < CREEP_MIN_SPAN_S:
+            return 0.0
+        slope, se = _fit(pts)
+        if slope <= 0 or slope < CREEP_MIN_T * se:
+            return 0.0
+        # a creep rises all along: a level that jumped once (a start-up allocation, a cache
+        # that grew at one step) has one flat half, and projects nothing
+        half = len(pts) // 2
+        early, late = _fit(pts[: half + 1])[0], _fit(pts[half:])[0]
+        return slope if min(early, late) >= CREEP_HALF_SHARE * slope else 0.0
 
     def step_s(self) -> float | None:
         """Seconds per step: the median of the recent steps' intervals once they span
@@ -384,6 +476,7 @@ class PhaseState:
             outside = max(0, sample.used_bytes - sample.reserved_bytes)
         best: PhaseForecast | None = None
         announced_only = [p for p in self.peak_bytes if p not in self.extra_bytes]
+        creep = self.creep_bytes_per_s()
         for phase in [*self.extra_bytes, *announced_only]:
             if phase == sample.phase:
                 continue  # it is running now
@@ -395,12 +488,13 @@ class PhaseState:
             if start is not None and (committed is not None or phase == "optimizer"):
                 base = min(base, start)
             headroom = usable - base
-            extra = self.extra_bytes.get(phase)
-            if extra is not None and extra > headroom:
-                t = max(0.0, k * step_s - since_s)
-                if best is None or t < best.time_to_oom_s:
-                    measured = phase in self.measured
-                    best = PhaseForecast(phase, t, k, extra, max(0, headroom), measured)
+            extra = self.next_figure(phase)
+            t = max(0.0, k * step_s - since_s)
+            # the room left when the phase comes, where the level between steps creeps up
+            room_then = headroom - int(creep * t)
+            if extra is not None and extra > room_then and (best is None or t < best.time_to_oom_s):
+                measured = phase in self.measured
+                best = PhaseForecast(phase, t, k, extra, max(0, room_then), measured)
             peak = self.peak_bytes.get(phase)
             if peak is not None and peak + outside > usable:
                 if phase == "optimizer":
@@ -434,6 +528,65 @@ class PhaseState:
             return step_s
         rate = (level - level0) / elapsed
         return remaining / rate + step_s
+
+
+def _fit(pts: list[tuple[float, int]]) -> tuple[float, float]:
+    """Least-squares slope of ``pts`` (bytes per second) and its standard error (inf where
+    fewer than three points or no spread in time leave it unknown)."""
+    n = len(pts)
+    mt = sum(t for t, _ in pts) / n
+    ml = sum(level for _, level in pts) / n
+    sxx = sum((t - mt) ** 2 for t, _ in pts)
+    if n < 3 or sxx <= 0:
+        return 0.0, float("inf")
+    slope = sum((t - mt) * (level - ml) for t, level in pts) / sxx
+    resid = sum((level - ml - slope * (t - mt)) ** 2 for t, level in pts)
+    return slope, (resid / (n - 2) / sxx) ** 0.5
+
+
+def _parse_history(raw: Any) -> dict[str, list[list[int]]]:
+    """A snapshot's measured figures per periodic phase; ValueError naming what is wrong."""
+    if not isinstance(raw, Mapping):
+        raise ValueError("phases history: must be an object of phase -> figures")
+    out: dict[str, list[list[int]]] = {}
+    for phase, figs in raw.items():
+        if phase not in ("eval", "checkpoint"):
+            raise ValueError(f"phases history: {phase!r} is not eval or checkpoint")
+        if (
+            not isinstance(figs, list)
+            or len(figs) > FIGURES_KEPT
+            or any(
+                not isinstance(pair, list)
+                or len(pair) != 2
+                or any(type(x) is not int for x in pair)
+                or pair[0] < -1
+                or pair[1] < 0
+                for pair in figs
+            )
+        ):
+            raise ValueError(
+                f"phases history.{phase}: {str(figs)[:80]!r} is not [step, bytes] pairs"
+            )
+        out[phase] = [list(pair) for pair in figs]
+    return out
+
+
+def _parse_levels(raw: Any) -> list[tuple[float, int]]:
+    """A snapshot's step-start levels; ValueError naming what is wrong."""
+    if not isinstance(raw, list) or len(raw) > LEVELS_KEPT:
+        raise ValueError(f"phases levels: must be a list of at most {LEVELS_KEPT}")
+    out: list[tuple[float, int]] = []
+    for pair in raw:
+        if (
+            not isinstance(pair, list | tuple)
+            or len(pair) != 2
+            or not isinstance(pair[0], int | float)
+            or type(pair[1]) is not int
+            or pair[1] < 0
+        ):
+            raise ValueError(f"phases levels: {str(pair)[:80]!r} is not a (ts, bytes) pair")
+        out.append((float(pair[0]), pair[1]))
+    return out
 
 
 def _arrival_key(event: ArrivalEvent) -> str:

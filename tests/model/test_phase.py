@@ -436,3 +436,121 @@ def test_after_it_lands_an_arrival_is_not_judged_again_on_top_of_its_own_memory(
     assert ramp is not None and ramp.time_to_oom_s == 0.0
     back = PhaseState.from_dict(st.to_dict())  # the verdict travels with the snapshot
     assert back.unfit == {"c"} and back.forecast(sample(None, ts=T0 + 75)) is not None
+
+
+# --- a phase that grows, a level that creeps -------------------------------------------------
+
+
+def evals_measured(state: PhaseState, figures: list[int]) -> None:
+    """Evals every 100 steps whose figures the hook measured, one after each (as the hook
+    does: the sample that ends the eval, then the schedule event with its figure)."""
+    for n, extra in enumerate(figures, 1):
+        run(state, range((n - 1) * 100, n * 100))
+        state.observe(sample(n * 100, phase="eval", allocated_bytes=0, reserved_bytes=0))
+        state.on_schedule(schedule({"eval": extra}, eval_every_steps=100, measured=("eval",)))
+
+
+def test_figures_measured_again_within_one_eval_are_one_occurrence() -> None:
+    # a hook that publishes the figure as the eval goes (the simulator's does, after each
+    # sample of it): 2, then 3 and 4 GiB during the one eval at step 100; then 5 at step 200.
+    # Two occurrences are no trend: nothing is projected
+    state = PhaseState()
+    state.on_schedule(schedule({}, eval_every_steps=100))
+    run(state, range(100))
+    for extra in (2 * GIB, 3 * GIB, 4 * GIB):
+        state.observe(sample(100, phase="eval", allocated_bytes=0, reserved_bytes=0))
+        state.on_schedule(schedule({"eval": extra}, eval_every_steps=100, measured=("eval",)))
+    run(state, range(101, 200))
+    state.observe(sample(200, phase="eval", allocated_bytes=0, reserved_bytes=0))
+    state.on_schedule(schedule({"eval": 5 * GIB}, eval_every_steps=100, measured=("eval",)))
+    assert state.history["eval"] == [[100, 4 * GIB], [200, 5 * GIB]]
+    assert state.next_figure("eval") == 5 * GIB
+
+
+def test_an_eval_that_needed_more_each_time_is_forecast_to_need_more_again() -> None:
+    # 2, 3 and 4.5 GiB: the next one is taken at 4.5 + 1.5 = 6 GiB, above the 5 GiB of
+    # room, while the largest seen so far (4.5 GiB) would fit
+    state = PhaseState()
+    state.on_schedule(schedule({}, eval_every_steps=100))
+    evals_measured(state, [2 * GIB, 3 * GIB, GIB * 9 // 2])
+    assert state.next_figure("eval") == 6 * GIB
+    now = sample(350, used_bytes=TOTAL - int(MARGIN_FRAC * TOTAL) - 5 * GIB)
+    state.observe(now)
+    pf = state.forecast(now)
+    assert pf is not None and pf.phase == "eval" and pf.extra_bytes == 6 * GIB
+    assert pf.time_to_oom_s == pytest.approx(50.0) and pf.measured
+
+
+@pytest.mark.parametrize(
+    "figures",
+    [
+        [2 * GIB, 3 * GIB],  # two occurrences are no trend yet
+        [2 * GIB, 3 * GIB, 3 * GIB + GIB // 100],  # the last grew by 0.3%: noise
+        [3 * GIB, 2 * GIB, GIB * 9 // 2],  # not growing each time
+    ],
+)
+def test_an_eval_that_did_not_grow_steadily_keeps_its_figure(figures: list[int]) -> None:
+    state = PhaseState()
+    state.on_schedule(schedule({}, eval_every_steps=100))
+    evals_measured(state, figures)
+    assert state.next_figure("eval") == figures[-1]
+
+
+def test_a_checkpoint_that_a_creep_will_crowd_out_is_forecast_before_it_does() -> None:
+    # the checkpoint needs 10 GiB; there are 14 GiB of room now, and the level between steps
+    # rises 0.1 GiB/s: 50 s from now, when the checkpoint comes, 9 GiB are left
+    state = PhaseState()
+    state.on_schedule(
+        schedule({"checkpoint": 10 * GIB}, checkpoint_every_steps=100, measured=("checkpoint",))
+    )
+    flat = PhaseState.from_dict(state.to_dict())
+    start = USABLE - 14 * GIB - 5 * GIB
+    for i in range(51):
+        used = start + int(i * GIB / 10)
+        state.observe(sample(i, used_bytes=used))
+        flat.observe(sample(i, used_bytes=start + 5 * GIB))  # the same room, no creep
+    now = sample(50, used_bytes=start + 5 * GIB)
+    assert state.creep_bytes_per_s() == pytest.approx(GIB / 10, rel=0.01)
+    pf = state.forecast(now)
+    assert pf is not None and pf.phase == "checkpoint" and pf.time_to_oom_s == pytest.approx(50)
+    assert pf.headroom_bytes < pf.extra_bytes == 10 * GIB
+    assert flat.creep_bytes_per_s() == 0.0 and flat.forecast(now) is None
+
+
+def test_a_level_that_only_wanders_projects_no_creep() -> None:
+    state = PhaseState()
+    for i in range(120):
+        state.observe(sample(i, used_bytes=USED + (GIB if i % 2 else -GIB)))
+    assert state.creep_bytes_per_s() == 0.0
+    short = PhaseState()
+    for i in range(20):  # a clear rise, but over 20 s only
+        short.observe(sample(i, used_bytes=USED + i * GIB))
+    assert short.creep_bytes_per_s() == 0.0
+
+
+def test_the_figures_and_levels_survive_a_round_trip_and_damage_is_refused() -> None:
+    state = PhaseState()
+    state.on_schedule(schedule({}, eval_every_steps=100))
+    evals_measured(state, [2 * GIB, 3 * GIB, GIB * 9 // 2])
+    back = PhaseState.from_dict(state.to_dict())
+    assert back.history == {"eval": [[100, 2 * GIB], [200, 3 * GIB], [300, GIB * 9 // 2]]}
+    assert list(back.levels) == list(state.levels) and back.next_figure("eval") == 6 * GIB
+    for damage in (
+        {"history": {"forward": [1]}},
+        {"history": {"eval": [[1, -2]]}},
+        {"history": {"eval": [[1, 2], [2, 3], [3, 4], [4, 5]]}},
+        {"history": {"eval": [7]}},
+        {"levels": [[1.0, "x"]]},
+        {"levels": "no"},
+    ):
+        with pytest.raises(ValueError):
+            PhaseState.from_dict(state.to_dict() | damage)
+
+
+def test_a_level_that_jumped_once_projects_no_creep() -> None:
+    # the first steps' allocations (optimizer state, a cache) lift the level once, then it
+    # holds: the least-squares slope over the window is clearly positive, but it is no creep
+    state = PhaseState()
+    for i in range(60):
+        state.observe(sample(i, used_bytes=USED + (4 * GIB if i >= 20 else 0)))
+    assert state.creep_bytes_per_s() == 0.0

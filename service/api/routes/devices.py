@@ -49,8 +49,9 @@ class PhaseOutlook(BaseModel):
     headroom_bytes: int = Field(
         ...,
         description=(
-            "room for the phase, less the 2% margin: total less use, or, where the hook"
-            " reports the allocator's figures, total less use plus its cached free bytes"
+            "room for the phase when it comes, less the 2% margin: total less use, or, where"
+            " the hook reports the allocator's figures, total less use plus its cached free"
+            " bytes; less what a level that creeps up between steps takes until then"
         ),
     )
     measured: bool = Field(..., description="extra_bytes was measured, not announced")

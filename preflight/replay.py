@@ -85,6 +85,7 @@ class Replayer:
     ) -> None:
         self.sim = make_allocator(capacity_bytes, conf or AllocConf(), total_bytes)
         self.result = Replay(capacity_bytes)
+        self.base_capacity_bytes = capacity_bytes
         self.handles: dict[int, int] = {}
         self.index: dict[tuple[int, str], int] = {}
         self.done = False
@@ -102,6 +103,15 @@ class Replayer:
         if not self.apply(op, key):
             self.done = True
         return not self.done
+
+    def cap(self, fraction: float, total_bytes: int) -> None:
+        """``torch.cuda.set_per_process_memory_fraction(fraction)``: from now on the allocator
+        may reserve ``fraction`` of the device's ``total_bytes`` (what torch allows: the
+        share of the card's total, not of what the context leaves), never more than the
+        capacity it started with. Reserved bytes above a lowered cap stay until freed."""
+        allowed = min(self.base_capacity_bytes, int(fraction * total_bytes))
+        self.sim.capacity_bytes = allowed
+        self.result.capacity_bytes = allowed
 
     def listen(self, op: PhaseOp) -> None:
         """A capture listener: stops the capture at the first OOM."""

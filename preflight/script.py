@@ -75,6 +75,7 @@ from oomcast.preflight.replay import Replay
 from oomcast.preflight.report import PreflightReport
 from oomcast.preflight.target import Target
 from oomcast.preflight.tracker import Listener, PhaseOp, PhaseTracker, StopCapture
+from oomcast.training.allocator import format_size
 
 PREFLIGHT_ENV = "OOMCAST_PREFLIGHT"  # "1" while a script runs under preflight
 EXTRA_STEPS = 20  # optimizer steps past ``steps`` to wait for the script's own eval / save
@@ -304,6 +305,8 @@ class ScriptTrace:
     internal_stand_ins: int = 0  # value reads inside torch itself that got a stand-in
     notes: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
+    # torch.cuda.set_per_process_memory_fraction's, the last the script set (None: never)
+    memory_fraction: float | None = None
 
 
 class ScriptTracker(PhaseTracker):  # type: ignore[no-untyped-call]  # torch: unannotated
@@ -320,6 +323,20 @@ class ScriptTracker(PhaseTracker):  # type: ignore[no-untyped-call]  # torch: un
         self.phase = "forward"  # until the first step: what the script moves is its batch
         self.started = False  # a module call has run: moved modules are no longer "persistent"
         self.cuda_before = False  # this process had a CUDA context before the script ran
+        self.memory_fraction: float | None = None  # set_per_process_memory_fraction's
+        self.on_fraction: Callable[[float], None] | None = None
+
+    def set_memory_fraction(self, fraction: Any, device: Any = None) -> None:
+        """``torch.cuda.set_per_process_memory_fraction`` on the emulated GPU: checked as
+        torch checks it, kept, and passed on (the replay's allocator may reserve that share
+        of the device from now on, as the real one may)."""
+        if not isinstance(fraction, float):
+            raise TypeError("Invalid type for fraction argument, must be `float`")
+        if fraction < 0 or fraction > 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        self.memory_fraction = fraction
+        if self.on_fraction is not None:
+            self.on_fraction(fraction)
 
     def is_device(self, t: torch.Tensor) -> bool:
         if t.device.type != "cpu" or t.is_sparse:
@@ -896,6 +913,11 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
         # outside the fake mode, an external stream, a raw allocation) stops the run before
         # it gets one
         "_lazy_init": _refuse_real_cuda,
+        # a cap on the process: the replay's allocator honours it (a lower capacity)
+        "set_per_process_memory_fraction": tracker.set_memory_fraction,
+        "get_per_process_memory_fraction": lambda *a, **k: (
+            1.0 if tracker.memory_fraction is None else tracker.memory_fraction
+        ),
         "caching_allocator_alloc": _refuse("torch.cuda.caching_allocator_alloc"),
         # the traced bytes as the run goes (a script that logs them sees its own use); the
         # reserved figures need the allocator's replay, which the report has: here they
@@ -1136,11 +1158,14 @@ def trace_script(
     time_budget_s: float = TIME_BUDGET_S,
     listener: Listener | None = None,
     on_submit: Callable[[BaseException], Any] | None = None,
+    on_fraction: Callable[[float], None] | None = None,
 ) -> ScriptTrace:
     """Run the script at ``path`` (or ``-m module``) with ``argv`` as its arguments under
     fake tensors and record it (module docstring). ``listener`` sees each op as it happens
     and may end the run with :class:`~oomcast.preflight.tracker.StopCapture` (an OOM in the
-    replay). Raises :class:`ScriptFailed` when the script fails for a reason of its own."""
+    replay); ``on_fraction`` hears each ``set_per_process_memory_fraction`` the script
+    makes, when it makes it. Raises :class:`ScriptFailed` when the script fails for a
+    reason of its own."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
@@ -1152,6 +1177,7 @@ def trace_script(
     name = path if path is not None else f"-m {module}"
     trace = ScriptTrace(script=name, device="cpu")
     tracker = ScriptTracker(listener, name)
+    tracker.on_fraction = on_fraction
     phases = _Phases(tracker, trace, steps, extra_steps, time_budget_s)
     started = time.monotonic()
     cuda_before = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
@@ -1251,6 +1277,7 @@ def trace_script(
         trace.ops = tracker.ops
         tracker.close()
     trace.stand_ins = list(tracker.stand_ins.values())
+    trace.memory_fraction = tracker.memory_fraction
     if torch.cuda.is_initialized() and not cuda_before:  # type: ignore[no-untyped-call]
         trace.notes.append(
             "the script made a CUDA context on this machine's GPU through a call preflight does"
@@ -1398,6 +1425,7 @@ def preflight_script(
             time_budget_s=time_budget_s,
             listener=rep.listen,
             on_submit=lambda exc: isinstance(exc, PreflightSubmitted),
+            on_fraction=lambda fraction: rep.cap(fraction, target.device_bytes),
         )
     if trace.stopped_by != "submitted" and trace.stopped_by != "oom" and not trace.ops:
         raise ScriptFailed(
@@ -1427,6 +1455,14 @@ def preflight_script(
         "the GPU is emulated on fake CPU tensors (no GPU is touched): CUDA-only kernels and"
         " their workspaces (cuDNN, cuBLAS, flash attention) are not seen",
     ]
+    if trace.memory_fraction is not None:
+        report.capacity_bytes = rep.result.capacity_bytes
+        report.notes.insert(
+            0,
+            f"the script caps itself with set_per_process_memory_fraction({trace.memory_fraction}):"
+            f" the allocator may reserve {format_size(rep.result.capacity_bytes)} of"
+            f" {format_size(target.device_bytes)}, and the verdict is against that",
+        )
     if remedies:
         found = batch_argument(argv)
         if found is None:
@@ -1518,7 +1554,8 @@ def _probe(
     try:
         trace = trace_script(path, argv, module=module, gpu=target.label, total_bytes=total,
                              steps=steps, extra_steps=extra_steps, time_budget_s=time_budget_s,
-                             listener=rep.listen)  # fmt: skip
+                             listener=rep.listen,
+                             on_fraction=lambda f: rep.cap(f, total))  # fmt: skip
     except Exception as exc:  # ScriptFailed, or anything else: the report stands without it
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise _SearchStopped(f"at {batch} the script failed ({first})") from None

@@ -251,7 +251,7 @@ def test_a_call_that_would_start_the_real_gpu_stops_the_run_naming_its_line(
 @pytest.mark.parametrize(
     ("call", "via"),
     [
-        ("torch.cuda.set_per_process_memory_fraction(0.9)", "torch.cuda.memory."),
+        ("torch.cuda.memory._host_allocator()", "torch.cuda.memory."),
         ("torch.cuda.caching_allocator_alloc(1024)", "torch.cuda.caching_allocator_alloc"),
         ("torch.cuda.ExternalStream(1234)", "torch.cuda.ExternalStream"),
     ],
@@ -263,6 +263,33 @@ def test_every_way_to_the_real_gpu_is_stopped(tmp_path: Path, call: str, via: st
     with pytest.raises(ScriptFailed, match="would start the real GPU") as e:
         preflight_script(str(script), ["--out", str(tmp_path / "c.pt")], gpu="T4")
     assert f"(`{call}`)" in str(e.value) and f"({via}" in str(e.value)
+
+
+def test_a_memory_fraction_the_script_sets_is_its_capacity(tmp_path: Path) -> None:
+    # a job sharing a GPU caps itself: the verdict is against its share, not the whole card
+    def run(call: str) -> Any:
+        text = PLAIN.replace("opt = torch.optim", f"{call}\nopt = torch.optim")
+        script = _script(tmp_path, text)
+        return preflight_script(
+            str(script), ["--out", str(tmp_path / "c.pt")], gpu="T4", steps=2, remedies=False
+        )
+
+    whole = run("assert torch.cuda.get_per_process_memory_fraction() == 1.0")
+    assert whole.fits
+    need = whole.replay.peak_reserved_bytes
+    total = whole.total_bytes
+    assert total is not None
+    roomy = run(f"torch.cuda.set_per_process_memory_fraction({2 * need / total!r})")
+    assert roomy.fits and roomy.capacity_bytes == int(2 * need / total * total)
+    assert any("set_per_process_memory_fraction" in n for n in roomy.notes), roomy.notes
+    tight = run(
+        f"torch.cuda.set_per_process_memory_fraction({need / 2 / total!r})\n"
+        f"assert torch.cuda.get_per_process_memory_fraction() == {need / 2 / total!r}"
+    )
+    assert not tight.fits and tight.replay.oom is not None
+    assert tight.capacity_bytes == int(need / 2 / total * total)
+    with pytest.raises(ScriptFailed, match="Allowed range"):
+        run("torch.cuda.set_per_process_memory_fraction(1.5)")
 
 
 def test_cuda_events_and_streams_for_timing_run_as_written(tmp_path: Path) -> None:

@@ -14,7 +14,16 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFF
 printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$here/.whl/redislib" \
     "$here/.whl/redislib/redis-server" > /tmp/redis-server && chmod +x /tmp/redis-server
 cd /tmp  # the package comes from the wheel, not from the checkout
-step() { echo "=== $1 ($(date +%T))"; }
+# One deadline for the whole run (BUDGET_S, default 540 s: the device's 600 s per command,
+# less the install and the tar): each step gets at most its own limit and what is left,
+# and a step with under 20 s left is skipped, so the results always come back.
+DEADLINE=$((SECONDS + ${BUDGET_S:-540}))
+step() { echo "=== $1 ($(date +%T), $((DEADLINE - SECONDS)) s left)"; }
+limit() {  # limit WANT: seconds this step may run; fails (skip the step) under 20 s
+    local left=$((DEADLINE - SECONDS))
+    [ "$left" -ge 20 ] || { echo "(skipped: ${left} s left)" >&2; return 1; }
+    echo $(( $1 < left ? $1 : left ))
+}
 
 step "machine"
 nvidia-smi -L
@@ -22,7 +31,7 @@ python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, 
 python3 -m oomcast.cli.main --version
 
 step "a CUDA context: its size, and the NVML check that must see it"
-timeout 60 python3 - <<'EOF'
+T=$(limit 60) && timeout $T python3 - <<'EOF'
 import json, os, torch
 from oomcast.bench.preflight.scripts_gpu import holds_gpu_context
 before = holds_gpu_context()
@@ -40,14 +49,14 @@ print("CONTEXT " + json.dumps({"before": before, "after": holds_gpu_context(),
 EOF
 
 step "a real CUDA leak under a memory-fraction cap, hook + NVML agent, dumped and scored"
-timeout 220 python3 -m oomcast.bench.gpu_leak --out "$OUT/r/leak" --redis-server /tmp/redis-server \
-    --timeout 180 | tail -c 3000
+T=$(limit 300) && timeout $T python3 -m oomcast.bench.gpu_leak --out "$OUT/r/leak" \
+    --redis-server /tmp/redis-server --timeout 150 | tail -c 3000
 
 step "preflight of scripts as written: the real runs"
-timeout 200 python3 -m oomcast.bench.preflight.scripts_gpu --truth-only --jobs 8 \
+T=$(limit 150) && timeout $T python3 -m oomcast.bench.preflight.scripts_gpu --truth-only --jobs 8 \
     --out "$OUT/r/scripts_truth.json" > /dev/null
 step "preflight of scripts as written: the predictions, on this CUDA build"
-timeout 150 python3 -m oomcast.bench.preflight.scripts_gpu --join "$OUT/r/scripts_truth.json" \
+T=$(limit 120) && timeout $T python3 -m oomcast.bench.preflight.scripts_gpu --join "$OUT/r/scripts_truth.json" \
     --out "$OUT/r/scripts_gpu.json" > /dev/null 2> "$OUT/r/scripts_gpu.err"
 python3 - "$OUT/r/scripts_gpu.json" <<'EOF'
 import json, sys
@@ -59,14 +68,14 @@ for r in json.load(open(sys.argv[1]))["rows"]:
 EOF
 
 step "the oomcast preflight command on a plain script, on this CUDA build"
-timeout 90 python3 -m oomcast.cli.main preflight --gpu H100-80GB --no-remedies -- \
+T=$(limit 60) && timeout $T python3 -m oomcast.cli.main preflight --gpu H100-80GB --no-remedies -- \
     python3 /tmp/site/oomcast/bench/preflight/scripts/plain_lm.py --steps 3 | tail -25
 
 step "the allocator simulator against the real allocator, and a real OOM"
-timeout 120 python3 -m oomcast.bench.gpu_check --out "$OUT/r/gpu_check.json" | tail -c 2500
+T=$(limit 90) && timeout $T python3 -m oomcast.bench.gpu_check --out "$OUT/r/gpu_check.json" | tail -c 2500
 
 step "the preflight zoo against real CUDA runs and real OOMs under a cap"
-timeout 240 python3 -m oomcast.bench.preflight.gpu --out "$OUT/r/preflight_gpu.json" 2>&1 | tail -8
+T=$(limit 150) && timeout $T python3 -m oomcast.bench.preflight.gpu --out "$OUT/r/preflight_gpu.json" 2>&1 | tail -8
 
 step "done"
 tar -C "$OUT/r" -czf "$OUT/results.tgz" .

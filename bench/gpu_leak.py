@@ -95,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="CPU, 150 steps, no NVML: plumbing")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+
+    def stop(signum: int, frame: Any) -> None:  # `timeout` sends TERM: clean up as on error
+        raise SystemExit(f"stopped by signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
     result: dict[str, Any] = {}
     port = _free_port()
     url = f"redis://127.0.0.1:{port}/0"
@@ -150,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 env=env,
                 capture_output=True,
                 text=True,
-                timeout=120,
+                timeout=60,
             )
             result["dump"] = (dump.stdout + dump.stderr).strip().splitlines()[-3:]
             if dump.returncode == 0:
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                     env=env,
                     capture_output=True,
                     text=True,
-                    timeout=300,
+                    timeout=150,
                 )
                 (args.out / "evaluate.json").write_text(ev.stdout + ev.stderr)
                 if ev.returncode == 0 and per_trace.exists():

@@ -16,7 +16,8 @@
   sample's total is then that allowance and its used is ``max(reserved, allowance - free)``
   (the reservation, or less room where other processes leave the device fuller), so the
   sample's headroom is the tighter of the two limits. NVML cannot see the cap: the node
-  agent's view of the same GPU stays the whole device.
+  agent's view of the same GPU stays the whole device. A fraction of 0 (torch then refuses
+  every allocation: the job cannot run) is read as no cap.
 * :class:`HostReader` (no CUDA): this process's resident memory (``proc:{pid}``, through
   :class:`~oomcast.collectors.procinfo.SelfMemory`) against its memory cgroup's limit
   (:func:`memory_limit_bytes`), or MemTotal when it has none. The peak is the kernel's

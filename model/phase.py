@@ -32,6 +32,7 @@ evaluator use this same code.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Mapping
@@ -46,7 +47,7 @@ from oomcast.model.events import (
     parse_schedule,
 )
 from oomcast.model.forecast import Forecast
-from oomcast.model.schema import Sample
+from oomcast.model.schema import MAX_COUNT, Sample
 
 # Risk given at every horizon at or past the phase's time T (and 0 before it). The phase is
 # known to need more than the headroom, so the OOM is near certain if it comes; the doubt
@@ -80,7 +81,10 @@ CREEP_WINDOW_S = 120.0
 CREEP_MIN_SPAN_S = 30.0
 CREEP_MIN_POINTS = 6
 CREEP_MIN_T = 3.0
-CREEP_HALF_SHARE = 0.5  # each half of the window must rise at least this share of the slope
+# at least CREEP_PARTS_RISING of the window's four quarters must rise at CREEP_PART_SHARE of
+# the slope or more
+CREEP_PART_SHARE = 0.5
+CREEP_PARTS_RISING = 3
 # step-start levels are kept at most one per LEVEL_SPACING_S, LEVELS_KEPT of them: the
 # window at any step rate, and a bounded snapshot
 LEVEL_SPACING_S = 1.0
@@ -224,7 +228,7 @@ class PhaseState:
         state.last_ran = dict(last_ran.phase_extra_bytes)
         for pair in data.get("steps", []):
             ts, step = pair
-            if not isinstance(ts, int | float) or type(step) is not int or step < 0:
+            if not _finite_time(ts) or type(step) is not int or not 0 <= step <= MAX_COUNT:
                 raise ValueError(f"phases steps: {pair!r} is not a (ts, step) pair")
             state.steps.append((float(ts), step))
         level = data.get("level_bytes")
@@ -332,11 +336,14 @@ class PhaseState:
                 self.last_ran.clear()
                 self.load_start = None
                 self.levels.clear()
+                self.history.clear()
                 self._creep = None
             if not steps or step != steps[-1][1]:
                 steps.append((sample.ts, step))
                 self.step_start_bytes = level_of(sample)
-                if not self.levels or sample.ts - self.levels[-1][0] >= LEVEL_SPACING_S:
+                spaced = not self.levels or sample.ts - self.levels[-1][0] >= LEVEL_SPACING_S
+                # a sample taken in an eval or a checkpoint holds the phase's own bytes
+                if spaced and sample.phase not in SCHEDULED_PHASES:
                     self.levels.append((sample.ts, self.step_start_bytes))
                     self._creep = None
             if step == 0 and self.load_start is None:
@@ -394,13 +401,24 @@ class PhaseState:
         two measured figures grew by more than ``GROWTH_MIN_FRAC`` on the one before, the
         last one plus the last growth (see ``GROWTH_MIN_FRAC``)."""
         extra = self.extra_bytes.get(phase)
-        figs = [fig for _, fig in self.history.get(phase, [])]
-        if extra is None or phase not in self.measured or len(figs) < 3 or figs[-1] != extra:
+        kept = self.history.get(phase, [])
+        if extra is None or phase not in self.measured or len(kept) < 3 or kept[-1][1] != extra:
             return extra
-        a, b, c = figs[-3:]
+        (s0, a), (s1, b), (s2, c) = kept[-3:]
+        # three occurrences in a row: a hook that sends only new highs leaves gaps where an
+        # occurrence needed less, and noisy highs are no growth
+        period = self._period(phase)
+        if period is None or s0 < 0 or s1 - s0 != period or s2 - s1 != period:
+            return extra
         if b > a * (1 + GROWTH_MIN_FRAC) and c > b * (1 + GROWTH_MIN_FRAC):
             return c + (c - b)
         return extra
+
+    def _period(self, phase: str) -> int | None:
+        sched = self.schedule
+        if sched is None:
+            return None
+        return sched.eval_every_steps if phase == "eval" else sched.checkpoint_every_steps
 
     def creep_bytes_per_s(self) -> float:
         """How fast the level between steps rises: the least-squares slope of the step starts
@@ -420,11 +438,13 @@ class PhaseState:
         slope, se = _fit(pts)
         if slope <= 0 or slope < CREEP_MIN_T * se:
             return 0.0
-        # a creep rises all along: a level that jumped once (a start-up allocation, a cache
-        # that grew at one step) has one flat half, and projects nothing
-        half = len(pts) // 2
-        early, late = _fit(pts[: half + 1])[0], _fit(pts[half:])[0]
-        return slope if min(early, late) >= CREEP_HALF_SHARE * slope else 0.0
+        # a creep rises all along: a level that jumped once or twice (a start-up allocation,
+        # a cache that grew at one step) has flat quarters, and projects nothing
+        n, rising = len(pts), 0
+        for q in range(4):
+            part = pts[q * n // 4 : (q + 1) * n // 4 + 1]
+            rising += len(part) >= 2 and _fit(part)[0] >= CREEP_PART_SHARE * slope
+        return slope if rising >= CREEP_PARTS_RISING else 0.0
 
     def step_s(self) -> float | None:
         """Seconds per step: the median of the recent steps' intervals once they span
@@ -491,7 +511,10 @@ class PhaseState:
             extra = self.next_figure(phase)
             t = max(0.0, k * step_s - since_s)
             # the room left when the phase comes, where the level between steps creeps up
-            room_then = headroom - int(creep * t)
+            # the creep is projected no further than the window it was measured over, and
+            # not at all where it alone would fill the room (that is the LSTM's to see)
+            drain = creep * min(t, CREEP_WINDOW_S)
+            room_then = headroom - int(drain) if 0 < drain < headroom else headroom
             if extra is not None and extra > room_then and (best is None or t < best.time_to_oom_s):
                 measured = phase in self.measured
                 best = PhaseForecast(phase, t, k, extra, max(0, room_then), measured)
@@ -544,6 +567,15 @@ def _fit(pts: list[tuple[float, int]]) -> tuple[float, float]:
     return slope, (resid / (n - 2) / sxx) ** 0.5
 
 
+def _finite_time(ts: Any) -> bool:
+    """A timestamp a snapshot may hold: a finite number (not a bool)."""
+    return isinstance(ts, int | float) and not isinstance(ts, bool) and math.isfinite(ts)
+
+
+def _byte_count(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= MAX_COUNT
+
+
 def _parse_history(raw: Any) -> dict[str, list[list[int]]]:
     """A snapshot's measured figures per periodic phase; ValueError naming what is wrong."""
     if not isinstance(raw, Mapping):
@@ -558,9 +590,9 @@ def _parse_history(raw: Any) -> dict[str, list[list[int]]]:
             or any(
                 not isinstance(pair, list)
                 or len(pair) != 2
-                or any(type(x) is not int for x in pair)
-                or pair[0] < -1
-                or pair[1] < 0
+                or type(pair[0]) is not int
+                or not -1 <= pair[0] <= MAX_COUNT
+                or not _byte_count(pair[1])
                 for pair in figs
             )
         ):
@@ -572,7 +604,8 @@ def _parse_history(raw: Any) -> dict[str, list[list[int]]]:
 
 
 def _parse_levels(raw: Any) -> list[tuple[float, int]]:
-    """A snapshot's step-start levels; ValueError naming what is wrong."""
+    """A snapshot's step-start levels, oldest first and at least ``LEVEL_SPACING_S`` apart
+    as they are kept; ValueError naming what is wrong."""
     if not isinstance(raw, list) or len(raw) > LEVELS_KEPT:
         raise ValueError(f"phases levels: must be a list of at most {LEVELS_KEPT}")
     out: list[tuple[float, int]] = []
@@ -580,11 +613,13 @@ def _parse_levels(raw: Any) -> list[tuple[float, int]]:
         if (
             not isinstance(pair, list | tuple)
             or len(pair) != 2
-            or not isinstance(pair[0], int | float)
-            or type(pair[1]) is not int
-            or pair[1] < 0
+            or not _finite_time(pair[0])
+            or not _byte_count(pair[1])
+            or (out and pair[0] - out[-1][0] < LEVEL_SPACING_S)
         ):
-            raise ValueError(f"phases levels: {str(pair)[:80]!r} is not a (ts, bytes) pair")
+            raise ValueError(
+                f"phases levels: {str(pair)[:80]!r} is not a (ts, bytes) pair in order"
+            )
         out.append((float(pair[0]), pair[1]))
     return out
 

@@ -30,7 +30,9 @@ class Remedy:
     change: str
     peak_reserved_bytes: int
     fits: bool
-    value: int | None = None  # the new batch size or grad_accum, where the remedy has one
+    # the new batch size or grad_accum, where the remedy has one; for memory_fraction, the
+    # fraction in hundredths
+    value: int | None = None
 
     def to_json(self) -> dict[str, object]:
         return {

@@ -111,7 +111,9 @@ class Replayer:
         capacity it started with. Reserved bytes above a lowered cap stay until freed."""
         allowed = min(self.base_capacity_bytes, int(fraction * total_bytes))
         self.sim.capacity_bytes = allowed
-        self.result.capacity_bytes = allowed
+        # the report's capacity is the tightest the run met (a cap lowered after the peak
+        # still says how little room the job gives itself)
+        self.result.capacity_bytes = min(self.result.capacity_bytes, allowed)
 
     def listen(self, op: PhaseOp) -> None:
         """A capture listener: stops the capture at the first OOM."""

@@ -947,7 +947,8 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
         "set_device_index": noop,
         "set_device_idx": noop,
         "device_index": lambda *a, **k: contextlib.nullcontext(),
-        "get_device_capability": lambda *a, **k: {"major": 9, "minor": 0},
+        # what torch.accelerator reports: the dtypes the device can hold
+        "get_device_capability": lambda *a, **k: {"supported_dtypes": _GPU_DTYPES},
         "current_stream": lambda *a, **k: current,
         "set_stream": noop,
         "synchronize": noop,
@@ -978,6 +979,12 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
         stack.enter_context(_patched(scaler, "_maybe_opt_step", _always_step))
         yield
 
+
+_GPU_DTYPES = {
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
+    torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+    torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
+}  # fmt: skip
 
 # the memory figures a script may log: the traced bytes (torch.cuda's and torch.accelerator's)
 _TRACED_FIGURES = (
@@ -1455,7 +1462,7 @@ def preflight_script(
         "the GPU is emulated on fake CPU tensors (no GPU is touched): CUDA-only kernels and"
         " their workspaces (cuDNN, cuBLAS, flash attention) are not seen",
     ]
-    if trace.memory_fraction is not None:
+    if trace.memory_fraction is not None and rep.result.capacity_bytes < target.capacity_bytes:
         report.capacity_bytes = rep.result.capacity_bytes
         report.notes.insert(
             0,
@@ -1479,7 +1486,51 @@ def preflight_script(
                               module, target, steps, extra_steps, time_budget_s)  # fmt: skip
 
             report.remedies.append(script_largest_batch(found, probe, rep.result))
+        capped = trace.memory_fraction is not None and report.capacity_bytes < target.capacity_bytes
+        if capped and not rep.result.fits:
+            report.remedies.append(
+                _fraction_remedy(path, argv, module, target, steps, extra_steps, time_budget_s)
+            )
     return report
+
+
+def _fraction_remedy(
+    path: str | None,
+    argv: list[str],
+    module: str | None,
+    target: Target,
+    steps: int,
+    extra_steps: int,
+    time_budget_s: float,
+) -> Remedy:
+    """The script's own ``set_per_process_memory_fraction`` is what it runs out of: the
+    script traced once more without the cap, on the whole GPU, says what it needs and so
+    the smallest fraction (in hundredths, rounded up) that holds it. The peak reserved
+    without a cap is an upper bound: under a cap the allocator frees its cache and retries
+    before it fails."""
+    rep = target.replayer()
+    total = target.device_bytes
+    trace_script(path, argv, module=module, gpu=target.label, total_bytes=total, steps=steps,
+                 extra_steps=extra_steps, time_budget_s=time_budget_s,
+                 listener=rep.listen)  # fmt: skip
+    need = peak_of(rep.result)
+    if not rep.result.fits:
+        return Remedy(
+            "memory_fraction",
+            f"none: even the whole GPU ({format_size(target.capacity_bytes)} for the allocator)"
+            f" is too small, it needs at least {format_size(need)}",
+            need,
+            False,
+        )
+    hundredths = -(-need * 100 // total)  # rounded up
+    return Remedy(
+        "memory_fraction",
+        f"set_per_process_memory_fraction({hundredths / 100:.2f}): the job needs at most"
+        f" {format_size(need)} of the GPU's {format_size(total)}",
+        need,
+        True,
+        hundredths,
+    )
 
 
 # Batch-size options that training scripts commonly take (argparse, HF's TrainingArguments

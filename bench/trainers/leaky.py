@@ -73,7 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--memory-fraction caps a GPU: it needs --device cuda")
     device = torch.device(args.device)
     if args.memory_fraction is not None:
-        torch.cuda.set_per_process_memory_fraction(args.memory_fraction, device)
+        # torch wants an index here (a bare "cuda" device is refused): None is the current one
+        torch.cuda.set_per_process_memory_fraction(args.memory_fraction, device.index)
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     model = torch.nn.Sequential(

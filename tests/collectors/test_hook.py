@@ -592,6 +592,7 @@ def test_a_memory_fraction_cap_is_the_samples_capacity(
     assert (capped.total_bytes, capped.used_bytes) == (40 * GIB, 30 * GIB)
     assert capped.peak_bytes == 36 * GIB  # used + how far the reservation rose above it
     assert (crowded.total_bytes, crowded.used_bytes) == (40 * GIB, 36 * GIB)  # 4 GiB left
+    assert crowded.peak_bytes == 36 * GIB  # the reservation did not rise since the last read
     assert (whole.total_bytes, whole.used_bytes) == (80 * GIB, 76 * GIB)
 
 

@@ -554,3 +554,68 @@ def test_a_level_that_jumped_once_projects_no_creep() -> None:
     for i in range(60):
         state.observe(sample(i, used_bytes=USED + (4 * GIB if i >= 20 else 0)))
     assert state.creep_bytes_per_s() == 0.0
+
+
+def test_a_level_that_rose_in_two_steps_projects_no_creep() -> None:
+    # a cache that grew twice in two minutes is a staircase, not a creep
+    state = PhaseState()
+    for i in range(120):
+        state.observe(sample(i, used_bytes=USED + 2 * GIB * ((i >= 30) + (i >= 90))))
+    assert state.creep_bytes_per_s() == 0.0
+
+
+def test_a_creep_that_alone_fills_the_room_is_left_to_the_stream() -> None:
+    # 0.1 GiB/s with 5 GiB of room: the creep reaches the limit by itself in 50 s, before
+    # the checkpoint 100 s away; the phase forecast does not claim that OOM as the checkpoint's
+    state = PhaseState()
+    state.on_schedule(
+        schedule({"checkpoint": GIB // 2}, checkpoint_every_steps=200, measured=("checkpoint",))
+    )
+    start = USABLE - 5 * GIB - 10 * GIB
+    for i in range(101):
+        state.observe(sample(i, used_bytes=start + int(i * GIB / 10)))
+    assert state.creep_bytes_per_s() > 0
+    assert state.forecast(sample(100, used_bytes=start + 10 * GIB)) is None
+
+
+def test_new_highs_that_are_not_consecutive_occurrences_are_no_growth() -> None:
+    # a hook sends a figure only when an eval needs more than any before: the highs of the
+    # 1st, 3rd and 6th evals of a job whose evals vary are no trend
+    state = PhaseState()
+    state.on_schedule(schedule({}, eval_every_steps=100))
+    run(state, range(600))
+    for at, extra in ((100, 2 * GIB), (300, 3 * GIB), (600, GIB * 9 // 2)):
+        state.observe(sample(at, phase="eval", allocated_bytes=0, reserved_bytes=0))
+        state.on_schedule(schedule({"eval": extra}, eval_every_steps=100, measured=("eval",)))
+    assert [s for s, _ in state.history["eval"]] == [100, 300, 600]
+    assert state.next_figure("eval") == GIB * 9 // 2
+
+
+def test_an_extreme_step_time_does_not_break_the_forecast() -> None:
+    # a schedule may say anything positive: 1e308 s a step puts the checkpoint, 5 steps
+    # away, at an infinite time (0 x inf was NaN, and int(NaN) raised in every batch)
+    state = PhaseState()
+    state.on_schedule(
+        schedule({"checkpoint": HEADROOM + GIB}, checkpoint_every_steps=5, step_s=1e308)
+    )
+    first = sample(0)
+    state.observe(first)
+    pf = state.forecast(first)
+    assert pf is not None and pf.phase == "checkpoint" and pf.time_to_oom_s == float("inf")
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        {"levels": [[float("nan"), 1]]},
+        {"levels": [[1.0, 2**70]]},
+        {"levels": [[10.0, 1], [5.0, 1]]},  # out of order
+        {"levels": [[True, 1]]},
+        {"steps": [[float("inf"), 1]]},
+        {"history": {"eval": [[1, 2**70]]}},
+        {"history": {"eval": [[True, 1]]}},
+    ],
+)
+def test_a_snapshot_s_levels_steps_and_figures_are_checked(damage: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        PhaseState.from_dict(PhaseState().to_dict() | damage)

@@ -290,6 +290,18 @@ def test_a_memory_fraction_the_script_sets_is_its_capacity(tmp_path: Path) -> No
     assert tight.capacity_bytes == int(need / 2 / total * total)
     with pytest.raises(ScriptFailed, match="Allowed range"):
         run("torch.cuda.set_per_process_memory_fraction(1.5)")
+    # the remedy: the smallest fraction, in hundredths, that holds what it needs uncapped
+    text = PLAIN.replace(
+        "opt = torch.optim",
+        f"torch.cuda.set_per_process_memory_fraction({need / 2 / total!r})\nopt = torch.optim",
+    )
+    fixed = preflight_script(
+        str(_script(tmp_path, text)), ["--out", str(tmp_path / "c.pt")], gpu="T4", steps=2
+    )
+    [remedy] = [r for r in fixed.remedies if r.name == "memory_fraction"]
+    assert remedy.fits and remedy.value is not None
+    assert remedy.value / 100 * total >= need > (remedy.value - 1) / 100 * total
+    assert f"set_per_process_memory_fraction({remedy.value / 100:.2f})" in remedy.change
 
 
 def test_cuda_events_and_streams_for_timing_run_as_written(tmp_path: Path) -> None:

@@ -325,14 +325,7 @@ def test_cuda_events_and_streams_for_timing_run_as_written(tmp_path: Path) -> No
         "    torch.cuda.synchronize()\n"
         "    ms = start.elapsed_time(end)\n",
     )
-    script = _script(tmp_path, text)
-    report = preflight_script(str(script), ["--out", str(tmp_path / "c.pt")], gpu="T4", steps=2)
-    base = preflight_script(
-        str(_script(tmp_path, PLAIN, "plain.py")), ["--out", str(tmp_path / "c.pt")], gpu="T4",
-        steps=2,
-    )  # fmt: skip
-    assert report.fits and report.steps == 2
-    assert report.to_json()["peak_allocated_bytes"] == base.to_json()["peak_allocated_bytes"]
+    report = _same_as_plain(tmp_path, text)
     line = 1 + text.splitlines().index("    ms = start.elapsed_time(end)")
     [asked] = [n for n in report.notes if f"train.py:{line}:" in n]
     assert "got a stand-in (float)" in asked and "times)" in asked
@@ -359,15 +352,19 @@ def test_the_device_generic_accelerator_api_takes_the_gpu_path(tmp_path: Path) -
         "    print(start.elapsed_time(end), torch.accelerator.max_memory_allocated(),\n"
         '          torch.cuda.memory_stats()["allocated_bytes.all.peak"])\n',
     )
-    script = _script(tmp_path, text)
-    report = preflight_script(str(script), ["--out", str(tmp_path / "c.pt")], gpu="T4", steps=2)
-    base = preflight_script(
-        str(_script(tmp_path, PLAIN, "plain.py")), ["--out", str(tmp_path / "c.pt")], gpu="T4",
-        steps=2,
-    )  # fmt: skip
+    report = _same_as_plain(tmp_path, text)
+    assert report.to_json()["peak_allocated_bytes"] >= 4 * PARAM_BYTES  # AdamW's, on the GPU
+
+
+def _same_as_plain(tmp_path: Path, text: str) -> Any:
+    """``text`` preflighted for 2 steps, checked to fit with the same peak as ``PLAIN``
+    (what it adds holds no GPU memory); its report."""
+    out = ["--out", str(tmp_path / "c.pt")]
+    report = preflight_script(str(_script(tmp_path, text)), out, gpu="T4", steps=2)
+    base = preflight_script(str(_script(tmp_path, PLAIN, "plain.py")), out, gpu="T4", steps=2)
     assert report.fits and report.steps == 2
     assert report.to_json()["peak_allocated_bytes"] == base.to_json()["peak_allocated_bytes"]
-    assert report.to_json()["peak_allocated_bytes"] >= 4 * PARAM_BYTES  # AdamW's, on the GPU
+    return report
 
 
 def test_a_library_s_call_is_named_by_the_script_s_line_through_the_library(

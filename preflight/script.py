@@ -1032,6 +1032,47 @@ def _patch_everywhere(stack: contextlib.ExitStack, package: str, patches: dict[s
                 stack.enter_context(_patched(mod, name, value))
 
 
+@contextlib.contextmanager
+def _default_device(tracker: ScriptTracker) -> Iterator[None]:
+    """``torch.set_default_device("cuda")`` and ``with torch.device("cuda"):`` on the
+    emulated GPU. Both put torch's ``DeviceContext`` at the bottom of the mode stack, under
+    :class:`_Moves`, to give factories a device; its class is swapped for one that makes
+    them device memory on the capture's CPU instead (torch's C++ looks the class up by name
+    at each ``with``). A default device the script set is unset when its run ends, so
+    nothing after it makes tensors on a GPU that is not there."""
+    import torch.utils._device as device_mod
+
+    base = device_mod.DeviceContext
+
+    class EmulatedDeviceContext(base):  # type: ignore[misc,valid-type]
+        def __torch_function__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            kwargs = dict(kwargs or {})
+            if func in device_mod._device_constructors() and kwargs.get("device") is None:
+                if self.device.type != "cuda":
+                    kwargs["device"] = self.device
+                    return func(*args, **kwargs)
+                kwargs["device"] = torch.device("cpu")
+                tracker.forced += 1
+                try:
+                    return func(*args, **kwargs)
+                finally:
+                    tracker.forced -= 1
+            return func(*args, **kwargs)
+
+    before = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
+    had = getattr(before, "device_context", None)
+    device_mod.DeviceContext = EmulatedDeviceContext  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        device_mod.DeviceContext = base  # type: ignore[misc]
+        now = getattr(before, "device_context", None)
+        if now is not had and isinstance(now, EmulatedDeviceContext):
+            torch.set_default_device(None)
+
+
 def _always_step(scaler: Any, optimizer: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
     return optimizer.step(*args, **kwargs)
 
@@ -1226,6 +1267,7 @@ def trace_script(
             stack.enter_context(_Moves(tracker))
             stack.enter_context(_module_moves(tracker))
             stack.enter_context(_emulated_cuda(tracker, gpu, total_bytes))
+            stack.enter_context(_default_device(tracker))
             stack.enter_context(_in_process_loader())
             stack.enter_context(_patched(torch, "save", save))
             phases.saver = save

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from support import PEAK_RSS_OF, oomcast_cmd, peak_rss_bytes
 
 from oomcast.bench.preflight.scripts_gpu import SCRIPTS as EXAMPLES
@@ -354,6 +355,23 @@ def test_the_device_generic_accelerator_api_takes_the_gpu_path(tmp_path: Path) -
     )
     report = _same_as_plain(tmp_path, text)
     assert report.to_json()["peak_allocated_bytes"] >= 4 * PARAM_BYTES  # AdamW's, on the GPU
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        'torch.set_default_device("cuda")\nmodel = nn.Sequential(',
+        'with torch.device("cuda"):\n    model = nn.Sequential(',
+    ],
+)
+def test_a_default_cuda_device_makes_gpu_memory(tmp_path: Path, spelling: str) -> None:
+    # tensors made without a device land on the default one: torch puts its DeviceContext
+    # under every other mode, where preflight's own did not see it ("PyTorch is not linked
+    # with support for cuda devices", before)
+    text = PLAIN.replace("model = nn.Sequential(", spelling)
+    report = _same_as_plain(tmp_path, text)
+    assert report.to_json()["peak_allocated_bytes"] >= 4 * PARAM_BYTES
+    assert torch.get_default_device().type == "cpu"  # the script's default did not leak out
 
 
 def _same_as_plain(tmp_path: Path, text: str) -> Any:

@@ -998,19 +998,24 @@ _TRACED_FIGURES = (
 
 
 def _traced_stats(tracker: ScriptTracker) -> dict[str, int]:
-    """``memory_stats()``'s usual keys, from the traced bytes (reserved reads as allocated,
-    as ``memory_reserved`` does here; no retries or OOMs happen in a trace)."""
+    """``memory_stats()`` as torch's caching allocator keys it (every key ``memory_summary``
+    reads), from the traced bytes: reserved reads as allocated, as ``memory_reserved`` does
+    here; the pool split, block and segment counts are not traced (the large pool holds it
+    all, the counts read 0); no retries or OOMs happen in a trace."""
     live, peak = tracker.live_bytes, tracker.peak_bytes
-    return {
-        "allocated_bytes.all.current": live,
-        "allocated_bytes.all.peak": peak,
-        "reserved_bytes.all.current": live,
-        "reserved_bytes.all.peak": peak,
-        "active_bytes.all.current": live,
-        "active_bytes.all.peak": peak,
-        "num_alloc_retries": 0,
-        "num_ooms": 0,
-    }
+    total = sum(op.size for op in tracker.ops if op.alloc)
+    traced = {"current": live, "peak": peak, "allocated": total, "freed": max(0, total - live)}
+    zero = dict.fromkeys(traced, 0)
+    stats: dict[str, int] = {}
+    for metric in ("allocated_bytes", "active_bytes", "requested_bytes", "reserved_bytes"):
+        for pool, figures in (("all", traced), ("large_pool", traced), ("small_pool", zero)):
+            stats |= {f"{metric}.{pool}.{k}": v for k, v in figures.items()}
+    for metric in ("inactive_split_bytes", "allocation", "active", "segment", "inactive_split"):
+        for pool in ("all", "large_pool", "small_pool"):
+            stats |= {f"{metric}.{pool}.{k}": 0 for k in traced}
+    for metric in ("oversize_allocations", "oversize_segments"):
+        stats |= {f"{metric}.{k}": 0 for k in traced}
+    return stats | {"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0}
 
 
 def _patch_everywhere(stack: contextlib.ExitStack, package: str, patches: dict[str, Any]) -> None:

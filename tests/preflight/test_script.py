@@ -351,7 +351,8 @@ def test_the_device_generic_accelerator_api_takes_the_gpu_path(tmp_path: Path) -
         "    end.record()\n"
         "    torch.accelerator.synchronize()\n"
         "    print(start.elapsed_time(end), torch.accelerator.max_memory_allocated(),\n"
-        '          torch.cuda.memory_stats()["allocated_bytes.all.peak"])\n',
+        '          torch.cuda.memory_stats()["allocated_bytes.all.peak"])\n'
+        "    assert 'Allocated memory' in torch.cuda.memory_summary()\n",
     )
     report = _same_as_plain(tmp_path, text)
     assert report.to_json()["peak_allocated_bytes"] >= 4 * PARAM_BYTES  # AdamW's, on the GPU

@@ -1037,6 +1037,14 @@ def _patch_everywhere(stack: contextlib.ExitStack, package: str, patches: dict[s
                 stack.enter_context(_patched(mod, name, value))
 
 
+def _data_parallel_forward(self: nn.DataParallel, *inputs: Any, **kwargs: Any) -> Any:  # type: ignore[type-arg]
+    """``nn.DataParallel`` on the one emulated GPU: what torch does with a single device,
+    the inputs moved to it and the module called as it is (its own check that the weights
+    sit on ``cuda:0`` would see the capture's CPU)."""
+    moved = tree_map(lambda t: t.to("cuda") if isinstance(t, torch.Tensor) else t, (inputs, kwargs))
+    return self.module(*moved[0], **moved[1])
+
+
 @contextlib.contextmanager
 def _default_device(tracker: ScriptTracker) -> Iterator[None]:
     """``torch.set_default_device("cuda")`` and ``with torch.device("cuda"):`` on the
@@ -1273,6 +1281,7 @@ def trace_script(
             stack.enter_context(_module_moves(tracker))
             stack.enter_context(_emulated_cuda(tracker, gpu, total_bytes))
             stack.enter_context(_default_device(tracker))
+            stack.enter_context(_patched(nn.DataParallel, "forward", _data_parallel_forward))
             stack.enter_context(_in_process_loader())
             stack.enter_context(_patched(torch, "save", save))
             phases.saver = save

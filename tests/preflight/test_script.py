@@ -375,6 +375,18 @@ def test_a_default_cuda_device_makes_gpu_memory(tmp_path: Path, spelling: str) -
     assert torch.get_default_device().type == "cpu"  # the script's default did not leak out
 
 
+def test_data_parallel_on_the_one_emulated_gpu_is_the_module(tmp_path: Path) -> None:
+    # older scripts wrap the model whatever the GPU count; torch's own forward checks the
+    # weights sit on cuda:0 and stopped the run ("found one of them on device: cpu")
+    text = PLAIN.replace(
+        "model = model.to(device)\n",
+        "model = model.to(device)\nmodel = nn.DataParallel(model)\n",
+    )
+    assert "nn.DataParallel" in text
+    report = _same_as_plain(tmp_path, text)
+    assert report.to_json()["peak_allocated_bytes"] >= 4 * PARAM_BYTES
+
+
 def _same_as_plain(tmp_path: Path, text: str) -> Any:
     """``text`` preflighted for 2 steps, checked to fit with the same peak as ``PLAIN``
     (what it adds holds no GPU memory); its report."""

@@ -93,6 +93,7 @@ _SAVERS = (
     ("safetensors.torch", "save_model"),
     ("transformers.modeling_utils", "safe_save_file"),
     ("transformers.trainer", "safe_save_file"),
+    ("accelerate.utils.other", "safe_save_file"),  # Accelerator.save_state / save_model
 )
 # Savers that are methods: Hugging Face's save_pretrained looks for shared storages by
 # address before it writes, which fake tensors do not have; here it saves its state dict

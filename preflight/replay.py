@@ -86,6 +86,10 @@ class Replayer:
         self.sim = make_allocator(capacity_bytes, conf or AllocConf(), total_bytes)
         self.result = Replay(capacity_bytes)
         self.base_capacity_bytes = capacity_bytes
+        # set_per_process_memory_fraction's, the one in force now and the one in force when
+        # the run peaked or ran out (None: none set then)
+        self.fraction: float | None = None
+        self.fraction_at_peak: float | None = None
         self.handles: dict[int, int] = {}
         self.index: dict[tuple[int, str], int] = {}
         self.done = False
@@ -111,9 +115,13 @@ class Replayer:
         capacity it started with. Reserved bytes above a lowered cap stay until freed."""
         allowed = min(self.base_capacity_bytes, int(fraction * total_bytes))
         self.sim.capacity_bytes = allowed
-        # the report's capacity is the tightest the run met (a cap lowered after the peak
-        # still says how little room the job gives itself)
-        self.result.capacity_bytes = min(self.result.capacity_bytes, allowed)
+        self.fraction = fraction
+        # the result's capacity is the one in force where the run peaked or ran out
+        # (``_at_peak``): a cap raised or lowered after that changed nothing the verdict says
+
+    def _at_peak(self) -> None:
+        self.result.capacity_bytes = self.sim.capacity_bytes
+        self.fraction_at_peak = self.fraction
 
     def listen(self, op: PhaseOp) -> None:
         """A capture listener: stops the capture at the first OOM."""
@@ -129,6 +137,7 @@ class Replayer:
                 res.oom = OomAt(
                     key[0], key[1], op.module, op.size, exc.reserved_bytes, exc.allocated_bytes
                 )
+                self._at_peak()
                 return False
         else:
             handle = self.handles.pop(op.sid, None)
@@ -146,6 +155,7 @@ class Replayer:
         if st.reserved_bytes > res.peak_reserved_bytes:
             res.peak_reserved_bytes = st.reserved_bytes
             res.cached_free_frac = (st.reserved_bytes - st.allocated_bytes) / st.reserved_bytes
+            self._at_peak()
         res.peak_allocated_bytes = max(res.peak_allocated_bytes, st.allocated_bytes)
         res.timeline.append((st.allocated_bytes, st.reserved_bytes, i))
         return True

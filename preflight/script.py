@@ -931,6 +931,7 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
             tracker, "peak_bytes", tracker.live_bytes
         ),
         "memory_stats": lambda *a, **k: _traced_stats(tracker),
+        "reset_accumulated_memory_stats": noop,
     }
     if isinstance(getattr(cuda, "ExternalStream", None), type):
         # an external stream wraps a real one, made in C++ without torch.cuda._lazy_init:
@@ -999,10 +1000,11 @@ _TRACED_FIGURES = (
 
 
 def _traced_stats(tracker: ScriptTracker) -> dict[str, int]:
-    """``memory_stats()`` as torch's caching allocator keys it (every key ``memory_summary``
-    reads), from the traced bytes: reserved reads as allocated, as ``memory_reserved`` does
-    here; the pool split, block and segment counts are not traced (the large pool holds it
-    all, the counts read 0); no retries or OOMs happen in a trace."""
+    """``memory_stats()`` as torch's caching allocator keys it (the keys torch 2.13 documents,
+    every one ``memory_summary`` reads), from the traced bytes: reserved reads as allocated,
+    as ``memory_reserved`` does here; the pool split, block and segment counts are not
+    traced (the large pool holds it all, the counts read 0); no retries or OOMs happen in a
+    trace."""
     live, peak = tracker.live_bytes, tracker.peak_bytes
     total = sum(op.size for op in tracker.ops if op.alloc)
     traced = {"current": live, "peak": peak, "allocated": total, "freed": max(0, total - live)}
@@ -1016,7 +1018,8 @@ def _traced_stats(tracker: ScriptTracker) -> dict[str, int]:
             stats |= {f"{metric}.{pool}.{k}": 0 for k in traced}
     for metric in ("oversize_allocations", "oversize_segments"):
         stats |= {f"{metric}.{k}": 0 for k in traced}
-    return stats | {"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0}
+    counts = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc")
+    return stats | dict.fromkeys((*counts, "num_device_free", "max_split_size"), 0)
 
 
 def _patch_everywhere(stack: contextlib.ExitStack, package: str, patches: dict[str, Any]) -> None:
@@ -1038,12 +1041,31 @@ def _patch_everywhere(stack: contextlib.ExitStack, package: str, patches: dict[s
                 stack.enter_context(_patched(mod, name, value))
 
 
-def _data_parallel_forward(self: nn.DataParallel, *inputs: Any, **kwargs: Any) -> Any:  # type: ignore[type-arg]
-    """``nn.DataParallel`` on the one emulated GPU: what torch does with a single device,
-    the inputs moved to it and the module called as it is (its own check that the weights
-    sit on ``cuda:0`` would see the capture's CPU)."""
-    moved = tree_map(lambda t: t.to("cuda") if isinstance(t, torch.Tensor) else t, (inputs, kwargs))
-    return self.module(*moved[0], **moved[1])
+def _data_parallel_forward(tracker: ScriptTracker) -> Callable[..., Any]:
+    """``nn.DataParallel.forward`` on the one emulated GPU, as torch runs it with a single
+    device: the weights must be on it (torch's own check, against what preflight counts as
+    GPU memory: torch's would see the capture's CPU), then the inputs are moved to it and the
+    module is called as it is. Over several devices it is not emulated: GPU 0 would hold
+    replicas and gathered outputs that one emulated GPU does not have."""
+
+    def forward(self: nn.DataParallel, *inputs: Any, **kwargs: Any) -> Any:  # type: ignore[type-arg]
+        if len(self.device_ids) > 1:
+            raise RuntimeError(
+                f"nn.DataParallel over device_ids {self.device_ids}: preflight emulates one"
+                " GPU; check the single-GPU run (device_ids=[0]) or one DDP rank instead"
+            )
+        for t in [*self.module.parameters(), *self.module.buffers()]:
+            if not tracker.is_device(t):
+                raise RuntimeError(
+                    "module must have its parameters and buffers on device cuda:0"
+                    " (device_ids[0]) but found one of them on device: cpu"
+                )
+        moved = tree_map(
+            lambda t: t.to("cuda") if isinstance(t, torch.Tensor) else t, (inputs, kwargs)
+        )
+        return self.module(*moved[0], **moved[1])
+
+    return forward
 
 
 @contextlib.contextmanager
@@ -1052,11 +1074,15 @@ def _default_device(tracker: ScriptTracker) -> Iterator[None]:
     emulated GPU. Both put torch's ``DeviceContext`` at the bottom of the mode stack, under
     :class:`_Moves`, to give factories a device; its class is swapped for one that makes
     them device memory on the capture's CPU instead (torch's C++ looks the class up by name
-    at each ``with``). A default device the script set is unset when its run ends, so
-    nothing after it makes tensors on a GPU that is not there."""
+    at each ``with``), persistent while nothing has run yet (a model built there is loaded,
+    as ``.cuda()`` would have it), and ``torch.get_default_device()`` says ``cuda:0``. A
+    default device the script set is undone when its run ends, so nothing after it makes
+    tensors on a GPU that is not there."""
     import torch.utils._device as device_mod
+    from torch.overrides import _get_current_function_mode_stack
 
     base = device_mod.DeviceContext
+    orig_get = torch.get_default_device
 
     class EmulatedDeviceContext(base):  # type: ignore[misc,valid-type]
         def __torch_function__(
@@ -1068,23 +1094,35 @@ def _default_device(tracker: ScriptTracker) -> Iterator[None]:
                     kwargs["device"] = self.device
                     return func(*args, **kwargs)
                 kwargs["device"] = torch.device("cpu")
+                phase = tracker.phase if tracker.started else "persistent"
                 tracker.forced += 1
                 try:
-                    return func(*args, **kwargs)
+                    with tracker.in_phase(phase):
+                        return func(*args, **kwargs)
                 finally:
                     tracker.forced -= 1
             return func(*args, **kwargs)
 
-    before = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
-    had = getattr(before, "device_context", None)
+    def get_default_device() -> torch.device:
+        stack = _get_current_function_mode_stack()  # type: ignore[no-untyped-call]
+        modes = [m for m in stack if isinstance(m, base)]
+        ctx = modes[-1] if modes else getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+        if ctx is not None and ctx.device.type == "cuda":
+            return torch.device("cuda", ctx.device.index or 0)
+        return orig_get()
+
+    glob = torch._GLOBAL_DEVICE_CONTEXT
+    had = getattr(glob, "device_context", None)
     device_mod.DeviceContext = EmulatedDeviceContext  # type: ignore[misc]
+    torch.get_default_device = get_default_device
     try:
         yield
     finally:
         device_mod.DeviceContext = base  # type: ignore[misc]
-        now = getattr(before, "device_context", None)
+        torch.get_default_device = orig_get
+        now = getattr(glob, "device_context", None)
         if now is not had and isinstance(now, EmulatedDeviceContext):
-            torch.set_default_device(None)
+            torch.set_default_device(None if had is None else had.device)
 
 
 def _always_step(scaler: Any, optimizer: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1246,6 +1284,7 @@ def trace_script(
     tracker.cuda_before = cuda_before
     handles: list[Any] = []
     saved_argv, saved_path = sys.argv[:], sys.path[:]
+    saved_dtype = torch.get_default_dtype()  # a script's set_default_dtype stays its own
     saved_env = os.environ.get(PREFLIGHT_ENV)
     os.environ[PREFLIGHT_ENV] = "1"
     sys.argv = [path if path is not None else str(module), *argv]
@@ -1282,7 +1321,9 @@ def trace_script(
             stack.enter_context(_module_moves(tracker))
             stack.enter_context(_emulated_cuda(tracker, gpu, total_bytes))
             stack.enter_context(_default_device(tracker))
-            stack.enter_context(_patched(nn.DataParallel, "forward", _data_parallel_forward))
+            stack.enter_context(
+                _patched(nn.DataParallel, "forward", _data_parallel_forward(tracker))
+            )
             stack.enter_context(_in_process_loader())
             stack.enter_context(_patched(torch, "save", save))
             phases.saver = save
@@ -1334,6 +1375,8 @@ def trace_script(
         for undo in phases.restore:
             undo()
         sys.argv, sys.path[:] = saved_argv, saved_path
+        torch.set_default_dtype(saved_dtype)
+        _reset_accelerate()
         if saved_env is None:
             os.environ.pop(PREFLIGHT_ENV, None)
         else:
@@ -1393,6 +1436,20 @@ def _run_main(
             raise ScriptFailed(_explain(exc, name, tracker)) from exc
 
 
+def _reset_accelerate() -> None:
+    """Accelerate keeps its settings (mixed precision, the device) in process-wide singletons
+    that refuse to change once set: the next traced run in this process (a batch probe, the
+    next script) starts from none, as a fresh ``python train.py`` would."""
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return
+    # an accelerate without these keeps its state (the next run may then refuse settings)
+    with contextlib.suppress(Exception):
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+    with contextlib.suppress(Exception):
+        state.GradientState._reset_state()
+
+
 def _explain(exc: BaseException, name: str, tracker: ScriptTracker) -> str:
     """Where the script failed, by its own line, and whether fake tensors were the cause."""
     from oomcast.preflight.capture import is_fake_error
@@ -1441,9 +1498,16 @@ def _explain(exc: BaseException, name: str, tracker: ScriptTracker) -> str:
             f"{name} cannot run on fake tensors{where}, in phase {phase} of step {step}:"
             f" {why} ({type(exc).__name__}). {untouched}"
         )
+    lazy = "UninitializedParameter" in str(exc) or "uninitialized parameter" in str(exc)
+    hint = (
+        " Lazy modules (nn.LazyLinear and the like) are not supported by preflight yet: give"
+        " the layer its input size."
+        if lazy
+        else ""
+    )
     return (
         f"{name} failed{where}, in phase {phase} of step {step}, before preflight had seen"
-        f" what it needs: {type(exc).__name__}: {exc}. {untouched}"
+        f" what it needs: {type(exc).__name__}: {exc}. {untouched}{hint}"
     )
 
 
@@ -1519,13 +1583,18 @@ def preflight_script(
         "the GPU is emulated on fake CPU tensors (no GPU is touched): CUDA-only kernels and"
         " their workspaces (cuDNN, cuBLAS, flash attention) are not seen",
     ]
-    if trace.memory_fraction is not None and rep.result.capacity_bytes < target.capacity_bytes:
+    fraction = rep.fraction_at_peak
+    if fraction is not None and rep.result.capacity_bytes < target.capacity_bytes:
         report.capacity_bytes = rep.result.capacity_bytes
+        later = trace.memory_fraction != fraction
         report.notes.insert(
             0,
-            f"the script caps itself with set_per_process_memory_fraction({trace.memory_fraction}):"
+            f"the script caps itself with set_per_process_memory_fraction({fraction}):"
             f" the allocator may reserve {format_size(rep.result.capacity_bytes)} of"
-            f" {format_size(target.device_bytes)}, and the verdict is against that",
+            f" {format_size(target.device_bytes)} where the run "
+            + ("ran out" if rep.result.oom is not None else "peaked")
+            + ", and the verdict is against that"
+            + (f" (it sets {trace.memory_fraction} later)" if later else ""),
         )
     if remedies:
         found = batch_argument(argv)
@@ -1567,9 +1636,15 @@ def _fraction_remedy(
     before it fails."""
     rep = target.replayer()
     total = target.device_bytes
-    trace_script(path, argv, module=module, gpu=target.label, total_bytes=total, steps=steps,
-                 extra_steps=extra_steps, time_budget_s=time_budget_s,
-                 listener=rep.listen)  # fmt: skip
+    try:
+        trace_script(path, argv, module=module, gpu=target.label, total_bytes=total,
+                     steps=steps, extra_steps=extra_steps, time_budget_s=time_budget_s,
+                     listener=rep.listen)  # fmt: skip
+    except Exception as exc:  # ScriptFailed, or anything else: the report stands without it
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        return Remedy(
+            "memory_fraction", f"none found: without its cap the script failed ({first})", 0, False
+        )
     need = peak_of(rep.result)
     if not rep.result.fits:
         return Remedy(

@@ -305,6 +305,40 @@ def test_a_memory_fraction_the_script_sets_is_its_capacity(tmp_path: Path) -> No
     assert f"set_per_process_memory_fraction({remedy.value / 100:.2f})" in remedy.change
 
 
+def test_the_cap_in_force_where_the_run_peaked_is_the_one_reported(tmp_path: Path) -> None:
+    # a cap raised after the model is on the GPU: the verdict, the capacity and the note
+    # agree on the cap the peak met; a script that fails uncapped keeps its OOM report
+    plain = preflight_script(
+        str(_script(tmp_path, PLAIN, "plain.py")), ["--out", str(tmp_path / "c.pt")],
+        gpu="T4", steps=2, remedies=False,
+    )  # fmt: skip
+    total = plain.total_bytes
+    assert total is not None
+    tiny = plain.replay.peak_reserved_bytes / 4 / total
+    text = PLAIN.replace(
+        "opt = torch.optim",
+        f"torch.cuda.set_per_process_memory_fraction({tiny!r})\n"
+        "torch.cuda.set_per_process_memory_fraction(0.9)\nopt = torch.optim",
+    )
+    raised = preflight_script(
+        str(_script(tmp_path, text)), ["--out", str(tmp_path / "c.pt")], gpu="T4", steps=2,
+        remedies=False,
+    )  # fmt: skip
+    assert raised.fits and raised.capacity_bytes == min(int(0.9 * total), plain.capacity_bytes)
+    assert not any(f"({tiny!r})" in n for n in raised.notes)
+    # capped at a quarter of its need, then failing where the capped run never got
+    text = PLAIN.replace(
+        "opt = torch.optim",
+        f"torch.cuda.set_per_process_memory_fraction({tiny!r})\nopt = torch.optim",
+    ).replace("    loss.backward()\n", "    loss.backward()\n    assert step < 1, 'too far'\n")
+    failing = preflight_script(
+        str(_script(tmp_path, text)), ["--out", str(tmp_path / "c.pt")], gpu="T4", steps=2
+    )
+    assert not failing.fits and failing.replay.oom is not None
+    [remedy] = [r for r in failing.remedies if r.name == "memory_fraction"]
+    assert not remedy.fits and "without its cap the script failed" in remedy.change
+
+
 def test_cuda_events_and_streams_for_timing_run_as_written(tmp_path: Path) -> None:
     # the common timing loop: events recorded around the step, a side stream for the
     # batch copy, elapsed_time logged. Nothing of it is GPU memory: it runs, and the
@@ -369,10 +403,44 @@ def test_a_default_cuda_device_makes_gpu_memory(tmp_path: Path, spelling: str) -
     # tensors made without a device land on the default one: torch puts its DeviceContext
     # under every other mode, where preflight's own did not see it ("PyTorch is not linked
     # with support for cuda devices", before)
+    import torch.utils._device as device_mod
+
+    base = device_mod.DeviceContext
     text = PLAIN.replace("model = nn.Sequential(", spelling)
     report = _same_as_plain(tmp_path, text)
     assert report.to_json()["peak_allocated_bytes"] >= 4 * PARAM_BYTES
-    assert torch.get_default_device().type == "cpu"  # the script's default did not leak out
+    # the weights are loaded before the first step, as .cuda() has them
+    other = [p for p in report.replay.phases if p.step == -1]
+    assert other and other[0].peak_allocated_bytes >= PARAM_BYTES
+    # nothing of the script's default leaks out of its run
+    assert torch._GLOBAL_DEVICE_CONTEXT.device_context is None
+    assert torch._C._len_torch_function_stack() == 0
+    assert device_mod.DeviceContext is base
+    assert torch.get_default_device() == torch.device("cpu")
+
+
+def test_factories_on_the_default_device_alone_are_gpu_memory(tmp_path: Path) -> None:
+    # no .to(device) anywhere: what lands on the GPU is what the default device put there,
+    # and the script sees cuda:0 as its default, as on a GPU
+    text = textwrap.dedent(
+        """
+        import torch
+        from torch import nn
+        torch.set_default_device("cuda")
+        torch.set_default_dtype(torch.float64)
+        assert torch.get_default_device() == torch.device("cuda", 0)
+        model = nn.Linear(512, 512)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(torch.randn(64, 512)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        """
+    )
+    report = preflight_script(str(_script(tmp_path, text)), [], gpu="T4", steps=3)
+    weights = (512 * 512 + 512) * 8
+    assert report.to_json()["peak_allocated_bytes"] >= 2 * weights  # weights and grads, f64
+    assert torch.get_default_dtype() == torch.float32  # the script's default dtype stayed its own
 
 
 def test_data_parallel_on_the_one_emulated_gpu_is_the_module(tmp_path: Path) -> None:
@@ -419,6 +487,23 @@ def test_an_accelerate_loop_and_its_save_state_are_checked(tmp_path: Path) -> No
     assert report.fits and report.steps == 8  # the whole loop: no eval to wait for, then the save
     assert any("checkpoint put nothing new on the GPU" in n for n in report.notes), report.notes
     assert not any(out.rglob("*.safetensors")) and not any(out.rglob("*.bin"))
+
+
+def test_data_parallel_over_several_gpus_is_not_emulated(tmp_path: Path) -> None:
+    text = PLAIN.replace(
+        "model = model.to(device)\n",
+        "model = model.to(device)\nmodel = nn.DataParallel(model, device_ids=[0, 1])\n",
+    )
+    with pytest.raises(ScriptFailed, match="preflight emulates one"):
+        preflight_script(str(_script(tmp_path, text)), ["--out", str(tmp_path / "c.pt")], gpu="T4")
+
+
+def test_a_lazy_module_is_named_as_not_supported(tmp_path: Path) -> None:
+    text = PLAIN.replace(f"nn.Linear({WIDTH}, {CLASSES})",
+                         f"nn.LazyLinear({CLASSES})")  # fmt: skip
+    assert "LazyLinear" in text
+    with pytest.raises(ScriptFailed, match="Lazy modules"):
+        preflight_script(str(_script(tmp_path, text)), ["--out", str(tmp_path / "c.pt")], gpu="T4")
 
 
 def _same_as_plain(tmp_path: Path, text: str) -> Any:

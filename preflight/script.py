@@ -1321,6 +1321,7 @@ def trace_script(
             stack.enter_context(_module_moves(tracker))
             stack.enter_context(_emulated_cuda(tracker, gpu, total_bytes))
             stack.enter_context(_default_device(tracker))
+            stack.enter_context(_fresh_accelerate())
             stack.enter_context(
                 _patched(nn.DataParallel, "forward", _data_parallel_forward(tracker))
             )
@@ -1376,7 +1377,6 @@ def trace_script(
             undo()
         sys.argv, sys.path[:] = saved_argv, saved_path
         torch.set_default_dtype(saved_dtype)
-        _reset_accelerate()
         if saved_env is None:
             os.environ.pop(PREFLIGHT_ENV, None)
         else:
@@ -1436,18 +1436,37 @@ def _run_main(
             raise ScriptFailed(_explain(exc, name, tracker)) from exc
 
 
-def _reset_accelerate() -> None:
-    """Accelerate keeps its settings (mixed precision, the device) in process-wide singletons
-    that refuse to change once set: the next traced run in this process (a batch probe, the
-    next script) starts from none, as a fresh ``python train.py`` would."""
+_ACCELERATE_STATES = ("PartialState", "AcceleratorState", "GradientState")
+
+
+def _accelerate_shared() -> list[dict[str, Any]]:
+    """Accelerate's process-wide state dicts (empty where it is not imported)."""
     state = sys.modules.get("accelerate.state")
-    if state is None:
-        return
-    # an accelerate without these keeps its state (the next run may then refuse settings)
-    with contextlib.suppress(Exception):
-        state.AcceleratorState._reset_state(reset_partial_state=True)
-    with contextlib.suppress(Exception):
-        state.GradientState._reset_state()
+    out = []
+    for name in _ACCELERATE_STATES:
+        shared = getattr(getattr(state, name, None), "_shared_state", None)
+        if isinstance(shared, dict):
+            out.append(shared)
+    return out
+
+
+@contextlib.contextmanager
+def _fresh_accelerate() -> Iterator[None]:
+    """Accelerate keeps its settings (mixed precision, the device) in process-wide
+    singletons that refuse to change once set. A traced run starts without them, as a fresh
+    ``python train.py`` would, and whatever the process had is back when it ends (a batch
+    probe, the next script, or the caller's own Accelerator)."""
+    saved = [dict(shared) for shared in _accelerate_shared()]
+    for shared in _accelerate_shared():
+        shared.clear()
+    try:
+        yield
+    finally:
+        now = _accelerate_shared()  # the script may have imported accelerate itself
+        for k, shared in enumerate(now):
+            shared.clear()
+            if len(now) == len(saved):
+                shared.update(saved[k])
 
 
 def _explain(exc: BaseException, name: str, tracker: ScriptTracker) -> str:

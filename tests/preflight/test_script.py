@@ -481,9 +481,13 @@ ACCELERATE_LOOP = textwrap.dedent(
 def test_an_accelerate_loop_and_its_save_state_are_checked(tmp_path: Path) -> None:
     # Accelerator.save_state writes safetensors through accelerate's own binding of
     # save_file, which failed on fake tensors ("invalid shape, data type, or offset")
-    pytest.importorskip("accelerate")
+    state = pytest.importorskip("accelerate.state")
+    # whatever this process set up before (another test's Trainer, say) is not the script's,
+    # and is back after its run
+    before = dict(state.AcceleratorState._shared_state)
     out = tmp_path / "state"
     report = preflight_script(str(_script(tmp_path, ACCELERATE_LOOP)), [str(out)], gpu="T4")
+    assert state.AcceleratorState._shared_state == before
     assert report.fits and report.steps == 8  # the whole loop: no eval to wait for, then the save
     assert any("checkpoint put nothing new on the GPU" in n for n in report.notes), report.notes
     assert not any(out.rglob("*.safetensors")) and not any(out.rglob("*.bin"))

@@ -3,7 +3,8 @@
 ``total_bytes`` is what ``nvidia-smi --query-gpu=memory.total`` (NVML's
 ``nvmlDeviceGetMemoryInfo().total``) prints for the board, in MiB times 2**20. The memory a
 training process's tensors can use is less: the CUDA context, the kernels' module images,
-cuBLAS/cuDNN workspaces and NCCL buffers take device memory outside the caching allocator.
+cuDNN workspaces and NCCL buffers take device memory outside the caching allocator (cuBLAS's
+workspaces are taken from it: ``preflight/kernels.py``).
 :data:`CONTEXT_ALLOWANCE_BYTES` (768 MiB) is the default allowance subtracted for those; a
 bare context is about 300-500 MiB on recent drivers and it grows with the libraries loaded,
 so override it (``--context-bytes``) with what ``nvidia-smi`` shows for your job before its
@@ -23,23 +24,24 @@ class Gpu:
     name: str
     total_bytes: int
     note: str
+    capability: tuple[int, int]  # CUDA compute capability: which kernels PyTorch picks
 
 
 GPUS: dict[str, Gpu] = {
     g.name: g
     for g in (
-        Gpu("H200", 143771 * MIB, "H200 SXM 141 GB HBM3e"),
-        Gpu("H100-80GB", 81559 * MIB, "H100 SXM/PCIe 80 GB"),
-        Gpu("H100-94GB", 95830 * MIB, "H100 NVL 94 GB"),
-        Gpu("A100-80GB", 81920 * MIB, "A100 SXM4/PCIe 80 GB"),
-        Gpu("A100-40GB", 40960 * MIB, "A100 SXM4/PCIe 40 GB"),
-        Gpu("L40S", 46068 * MIB, "L40S 48 GB"),
-        Gpu("A10G", 23028 * MIB, "A10G 24 GB (AWS g5)"),
-        Gpu("L4", 23034 * MIB, "L4 24 GB"),
-        Gpu("RTX4090", 24564 * MIB, "GeForce RTX 4090 24 GB"),
-        Gpu("V100-32GB", 32768 * MIB, "V100 SXM2/PCIe 32 GB"),
-        Gpu("V100-16GB", 16384 * MIB, "V100 SXM2/PCIe 16 GB"),
-        Gpu("T4", 15360 * MIB, "T4 16 GB"),
+        Gpu("H200", 143771 * MIB, "H200 SXM 141 GB HBM3e", (9, 0)),
+        Gpu("H100-80GB", 81559 * MIB, "H100 SXM/PCIe 80 GB", (9, 0)),
+        Gpu("H100-94GB", 95830 * MIB, "H100 NVL 94 GB", (9, 0)),
+        Gpu("A100-80GB", 81920 * MIB, "A100 SXM4/PCIe 80 GB", (8, 0)),
+        Gpu("A100-40GB", 40960 * MIB, "A100 SXM4/PCIe 40 GB", (8, 0)),
+        Gpu("L40S", 46068 * MIB, "L40S 48 GB", (8, 9)),
+        Gpu("A10G", 23028 * MIB, "A10G 24 GB (AWS g5)", (8, 6)),
+        Gpu("L4", 23034 * MIB, "L4 24 GB", (8, 9)),
+        Gpu("RTX4090", 24564 * MIB, "GeForce RTX 4090 24 GB", (8, 9)),
+        Gpu("V100-32GB", 32768 * MIB, "V100 SXM2/PCIe 32 GB", (7, 0)),
+        Gpu("V100-16GB", 16384 * MIB, "V100 SXM2/PCIe 16 GB", (7, 0)),
+        Gpu("T4", 15360 * MIB, "T4 16 GB", (7, 5)),
     )
 }
 
@@ -55,6 +57,19 @@ def lookup_gpu(name: str) -> Gpu:
     raise UnknownGpuError(
         f"unknown GPU {name!r}; known: {', '.join(GPUS)} (or give --capacity-bytes)"
     )
+
+
+DEFAULT_CAPABILITY = (8, 0)  # where no GPU is named: an A100's kernels
+
+
+def capability_of(name: str | None) -> tuple[int, int] | None:
+    """The compute capability of a catalogued GPU, None for another name or none."""
+    if not name:
+        return None
+    try:
+        return lookup_gpu(name).capability
+    except UnknownGpuError:
+        return None
 
 
 def capacity_for(

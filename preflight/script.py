@@ -69,7 +69,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from oomcast.preflight.allocconf import AllocConf
 from oomcast.preflight.capture import foreach_like_cuda
-from oomcast.preflight.gpus import CONTEXT_ALLOWANCE_BYTES
+from oomcast.preflight.gpus import CONTEXT_ALLOWANCE_BYTES, DEFAULT_CAPABILITY
+from oomcast.preflight.kernels import CudaKernels
 from oomcast.preflight.remedies import Remedy, largest_fitting, peak_of
 from oomcast.preflight.replay import Replay
 from oomcast.preflight.report import PreflightReport
@@ -326,6 +327,9 @@ class ScriptTracker(PhaseTracker):  # type: ignore[no-untyped-call]  # torch: un
         self.cuda_before = False  # this process had a CUDA context before the script ran
         self.memory_fraction: float | None = None  # set_per_process_memory_fraction's
         self.on_fraction: Callable[[float], None] | None = None
+        # CUDA's kernels where they allocate otherwise than the CPU's (None: as traced)
+        self.kernels: CudaKernels | None = None
+        self.blas_workspaces: dict[str, torch.Tensor] = {}  # per thread, held for the run
 
     def set_memory_fraction(self, fraction: Any, device: Any = None) -> None:
         """``torch.cuda.set_per_process_memory_fraction`` on the emulated GPU: checked as
@@ -389,7 +393,19 @@ class ScriptTracker(PhaseTracker):  # type: ignore[no-untyped-call]  # torch: un
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default:
             return self._stand_in(args[0])
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        k = self.kernels
+        if k is not None and k.is_blas(func) and not self.untracked and self.records(args, kwargs):
+            # cuBLAS keeps one workspace per (handle, stream) and its handles are per thread:
+            # the script's thread, and the autograd engine's thread for the device, which
+            # runs every backward node on a GPU
+            thread = "autograd" if torch._C._current_autograd_node() is not None else "main"
+            if thread not in self.blas_workspaces:
+                ws = torch.empty(k.blas_workspace_bytes, dtype=torch.uint8)
+                self.blas_workspaces[thread] = ws
+                self.mark(ws)
+                k.seen["blas"] += 1
+        return out
 
     def records(self, args: Any, kwargs: Any) -> bool:
         """Device memory: a move or factory aimed at the GPU, an operator with a device
@@ -839,10 +855,10 @@ def _spec(x: Any) -> Any:
 
 
 class _FakeProps:
-    def __init__(self, name: str, total: int) -> None:
+    def __init__(self, name: str, total: int, capability: tuple[int, int]) -> None:
         self.name = name
         self.total_memory = total
-        self.major, self.minor = 9, 0
+        self.major, self.minor = capability
         self.multi_processor_count = 132
         self.is_integrated = False
         self.is_multi_gpu_board = False
@@ -871,7 +887,9 @@ def _rng_state() -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[None]:
+def _emulated_cuda(
+    tracker: ScriptTracker, gpu: str, total: int, capability: tuple[int, int]
+) -> Iterator[None]:
     """``torch.cuda`` as a script sees it on the target GPU; the memory figures are the
     traced ones."""
     cuda = torch.cuda
@@ -886,8 +904,8 @@ def _emulated_cuda(tracker: ScriptTracker, gpu: str, total: int) -> Iterator[Non
         "device_count": lambda: 1,
         "current_device": lambda: 0,
         "get_device_name": lambda *a, **k: gpu,
-        "get_device_properties": lambda *a, **k: _FakeProps(gpu, total),
-        "get_device_capability": lambda *a, **k: (9, 0),
+        "get_device_properties": lambda *a, **k: _FakeProps(gpu, total, capability),
+        "get_device_capability": lambda *a, **k: capability,
         "is_bf16_supported": lambda *a, **k: True,
         "mem_get_info": lambda *a, **k: (total, total),
         "set_device": noop,
@@ -1039,6 +1057,54 @@ def _patch_everywhere(stack: contextlib.ExitStack, package: str, patches: dict[s
         for mod in modules:
             if getattr(mod, name, None) is original:
                 stack.enter_context(_patched(mod, name, value))
+
+
+@contextlib.contextmanager
+def _cuda_functionals(tracker: ScriptTracker) -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` and ``F.dropout`` on device tensors allocate as
+    CUDA's kernels do (``tracker.kernels``, ``preflight/kernels.py``). They are patched where
+    they are bound, not caught by a function mode: ``F.multi_head_attention_forward`` calls
+    attention inside itself, where a mode that caught the outer call no longer sees. A
+    binding a library makes during the run keeps the wrapper, which falls back to torch's
+    own once the run is over (``tracker.kernels`` is then None)."""
+    functional = torch.nn.functional
+    sdpa, dropout = functional.scaled_dot_product_attention, functional.dropout
+
+    def attention(query: Any, *args: Any, **kwargs: Any) -> Any:
+        k = tracker.kernels
+        if k is None or not isinstance(query, torch.Tensor) or not tracker.is_device(query):
+            return sdpa(query, *args, **kwargs)
+        if torch.is_autocast_enabled("cpu"):  # the emulated CUDA autocast (_CudaAutocastOnCpu)
+            # CUDA's autocast runs attention in its lower precision: its floating inputs
+            # (the mask too) are cast first, which is what lets it pick flash
+            low = torch.get_autocast_dtype("cpu")
+
+            def cast(t: Any) -> Any:
+                eligible = isinstance(t, torch.Tensor) and t.is_floating_point()
+                return t.to(low) if eligible and t.dtype not in (low, torch.float64) else t
+
+            query, args, kwargs = cast(query), tree_map(cast, args), tree_map(cast, kwargs)
+        return k.attention(query, *args, **kwargs)
+
+    def fused_dropout(
+        input: Any, p: float = 0.5, training: bool = True, inplace: bool = False
+    ) -> Any:
+        k = tracker.kernels
+        if k is None or not isinstance(input, torch.Tensor) or not tracker.is_device(input):
+            return dropout(input, p, training, inplace)
+        if not k.fused_dropout_applies(input, p, training):
+            return dropout(input, p, training, inplace)
+        return k.dropout(input, p, inplace)
+
+    with contextlib.ExitStack() as stack:
+        for name, original, value in (
+            ("scaled_dot_product_attention", sdpa, attention),
+            ("dropout", dropout, fused_dropout),
+        ):
+            for mod in [functional, *(m for m in list(sys.modules.values()) if m is not None)]:
+                if mod is functional or getattr(mod, name, None) is original:
+                    stack.enter_context(_patched(mod, name, value))
+        yield
 
 
 def _data_parallel_forward(tracker: ScriptTracker) -> Callable[..., Any]:
@@ -1259,13 +1325,19 @@ def trace_script(
     listener: Listener | None = None,
     on_submit: Callable[[BaseException], Any] | None = None,
     on_fraction: Callable[[float], None] | None = None,
+    capability: tuple[int, int] = DEFAULT_CAPABILITY,
+    cuda_kernels: bool = True,
 ) -> ScriptTrace:
     """Run the script at ``path`` (or ``-m module``) with ``argv`` as its arguments under
     fake tensors and record it (module docstring). ``listener`` sees each op as it happens
     and may end the run with :class:`~oomcast.preflight.tracker.StopCapture` (an OOM in the
     replay); ``on_fraction`` hears each ``set_per_process_memory_fraction`` the script
-    makes, when it makes it. Raises :class:`ScriptFailed` when the script fails for a
-    reason of its own."""
+    makes, when it makes it. ``capability`` is the target GPU's compute capability (what
+    ``get_device_capability`` answers, and which attention kernel PyTorch would pick);
+    with ``cuda_kernels`` the operators whose CUDA kernels allocate otherwise than the CPU
+    ones allocate as on the GPU (``preflight/kernels.py``), without it as the CPU kernels
+    do (to compare against a real run on the CPU). Raises :class:`ScriptFailed` when the
+    script fails for a reason of its own."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
@@ -1278,6 +1350,8 @@ def trace_script(
     trace = ScriptTrace(script=name, device="cpu")
     tracker = ScriptTracker(listener, name)
     tracker.on_fraction = on_fraction
+    kernels = CudaKernels(capability) if cuda_kernels else None
+    tracker.kernels = kernels
     phases = _Phases(tracker, trace, steps, extra_steps, time_budget_s)
     started = time.monotonic()
     cuda_before = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
@@ -1319,8 +1393,9 @@ def trace_script(
             stack.enter_context(tracker)
             stack.enter_context(_Moves(tracker))
             stack.enter_context(_module_moves(tracker))
-            stack.enter_context(_emulated_cuda(tracker, gpu, total_bytes))
+            stack.enter_context(_emulated_cuda(tracker, gpu, total_bytes, capability))
             stack.enter_context(_default_device(tracker))
+            stack.enter_context(_cuda_functionals(tracker))
             stack.enter_context(_fresh_accelerate())
             stack.enter_context(
                 _patched(nn.DataParallel, "forward", _data_parallel_forward(tracker))
@@ -1385,6 +1460,11 @@ def trace_script(
         tracker.close()
     trace.stand_ins = list(tracker.stand_ins.values())
     trace.memory_fraction = tracker.memory_fraction
+    tracker.blas_workspaces.clear()
+    tracker.kernels = None  # wrappers a library bound during the run fall back to torch's
+    kernel_note = kernels.note() if kernels is not None else None
+    if kernel_note:
+        trace.notes.append(kernel_note)
     if torch.cuda.is_initialized() and not cuda_before:  # type: ignore[no-untyped-call]
         trace.notes.append(
             "the script made a CUDA context on this machine's GPU through a call preflight does"
@@ -1573,6 +1653,7 @@ def preflight_script(
             listener=rep.listen,
             on_submit=lambda exc: isinstance(exc, PreflightSubmitted),
             on_fraction=lambda fraction: rep.cap(fraction, target.device_bytes),
+            capability=target.capability,
         )
     if trace.stopped_by != "submitted" and trace.stopped_by != "oom" and not trace.ops:
         raise ScriptFailed(
@@ -1599,8 +1680,9 @@ def preflight_script(
     )
     report.notes[:0] = [
         *script_notes(trace, steps, extra_steps),
-        "the GPU is emulated on fake CPU tensors (no GPU is touched): CUDA-only kernels and"
-        " their workspaces (cuDNN, cuBLAS, flash attention) are not seen",
+        "the GPU is emulated on fake CPU tensors (no GPU is touched): attention, dropout and"
+        " the cuBLAS workspace allocate as CUDA's kernels do; other CUDA-only workspaces"
+        " (cuDNN convolution, NCCL) are not seen",
     ]
     fraction = rep.fraction_at_peak
     if fraction is not None and rep.result.capacity_bytes < target.capacity_bytes:
@@ -1658,7 +1740,7 @@ def _fraction_remedy(
     try:
         trace_script(path, argv, module=module, gpu=target.label, total_bytes=total,
                      steps=steps, extra_steps=extra_steps, time_budget_s=time_budget_s,
-                     listener=rep.listen)  # fmt: skip
+                     listener=rep.listen, capability=target.capability)  # fmt: skip
     except Exception as exc:  # ScriptFailed, or anything else: the report stands without it
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         return Remedy(
@@ -1756,7 +1838,7 @@ def _probe(
     try:
         trace = trace_script(path, argv, module=module, gpu=target.label, total_bytes=total,
                              steps=steps, extra_steps=extra_steps, time_budget_s=time_budget_s,
-                             listener=rep.listen,
+                             listener=rep.listen, capability=target.capability,
                              on_fraction=lambda f: rep.cap(f, total))  # fmt: skip
     except Exception as exc:  # ScriptFailed, or anything else: the report stands without it
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from oomcast.preflight.allocconf import AllocConf, parse_alloc_conf
-from oomcast.preflight.gpus import capacity_for
+from oomcast.preflight.gpus import DEFAULT_CAPABILITY, capability_of, capacity_for
 from oomcast.preflight.replay import Replay, Replayer
 from oomcast.preflight.report import PreflightReport
 
@@ -38,6 +38,11 @@ class Target:
         """The device's memory as a traced script asks for it: the GPU's total, or the
         capacity where none was named."""
         return self.total_bytes or self.capacity_bytes
+
+    @property
+    def capability(self) -> tuple[int, int]:
+        """The named GPU's compute capability (an A100's where none was named)."""
+        return capability_of(self.label) or DEFAULT_CAPABILITY
 
     def replayer(self, conf: AllocConf | None = None) -> Replayer:
         return Replayer(self.capacity_bytes, conf or self.conf, self.total_bytes)

@@ -9,7 +9,10 @@
   own account of every allocation and free (kernel scratch buffers included, which no
   dispatch mode sees), reduced to the peak of live bytes. Only what the harness must do to
   stand for a GPU run is changed, outside the script: optimizers take their ``foreach``
-  path, as they do by default on CUDA (on CPU they would loop per tensor).
+  path, as they do by default on CUDA (on CPU they would loop per tensor). The traced run
+  keeps the CPU kernels' allocations too (``cuda_kernels=False``): the operators whose
+  CUDA kernels allocate otherwise (attention, dropout, the cuBLAS workspace:
+  ``preflight/kernels.py``) are emulated as on a GPU only when preflight targets one.
 
 Each script runs ``--steps 3`` (train steps, then its eval and its checkpoint), so the
 truth covers what preflight traces. Relative error is ``(predicted - truth) / truth``.
@@ -213,7 +216,10 @@ def predicted_peak(path: str, argv: list[str], capacities: list[int]) -> dict[st
     from oomcast.preflight.script import trace_script
 
     started = time.monotonic()
-    trace = trace_script(path, argv, gpu="emulated", total_bytes=1 << 40, steps=STEPS)
+    # the CPU kernels' allocations, as the truth runs them (not CUDA's: preflight/kernels.py)
+    trace = trace_script(
+        path, argv, gpu="emulated", total_bytes=1 << 40, steps=STEPS, cuda_kernels=False
+    )
     seconds = time.monotonic() - started
     ops = [op for op in trace.ops if op.phase != "teardown"]
     sizes: dict[int, int] = {}

@@ -158,8 +158,13 @@ def sdpa_backend(
     enable_gqa: bool,
 ) -> str:
     """``flash``, ``efficient`` or ``math``: what PyTorch's CUDA dispatch picks for these
-    dense inputs in its default order (flash, then memory-efficient, then math)."""
+    dense inputs in its default order (flash, then memory-efficient, then math), among the
+    backends the script leaves enabled (``sdpa_kernel``; where it allows neither fused
+    kernel nor math, PyTorch raises and the math path stands in)."""
     major = capability[0]
+    # what the script allows (torch.nn.attention.sdpa_kernel, torch.backends.cuda.enable_*)
+    flash_on = torch.backends.cuda.flash_sdp_enabled()
+    efficient_on = torch.backends.cuda.mem_efficient_sdp_enabled()
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "math"
     if any(t.stride(-1) != 1 and t.size(-1) != 1 for t in (q, k, v)):
@@ -172,7 +177,8 @@ def sdpa_backend(
     gqa_ok = enable_gqa and k.size(1) > 0 and q.size(1) % k.size(1) == 0
     d = q.size(-1)
     if (
-        8 <= major <= 12
+        flash_on
+        and 8 <= major <= 12
         and q.dtype in _HALF
         and k.dtype == q.dtype == v.dtype
         and attn_mask is None
@@ -184,7 +190,8 @@ def sdpa_backend(
         return "flash"
     align = 8 if q.dtype in _HALF else 4
     if (
-        major >= 5
+        efficient_on
+        and major >= 5
         and q.dtype in (*_HALF, torch.float32)
         and k.dtype == q.dtype == v.dtype
         and same_heads

@@ -309,6 +309,7 @@ class ScriptTrace:
     elapsed_s: float = 0.0
     # torch.cuda.set_per_process_memory_fraction's, the last the script set (None: never)
     memory_fraction: float | None = None
+    compiled: bool = False  # the script called torch.compile / Module.compile
 
 
 class ScriptTracker(PhaseTracker):  # type: ignore[no-untyped-call]  # torch: unannotated
@@ -1107,6 +1108,25 @@ def _cuda_functionals(tracker: ScriptTracker) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _noting_compile(trace: ScriptTrace) -> Iterator[None]:
+    """``torch.compile`` and ``Module.compile`` run as they are; the trace notes that the
+    script asked for them (under fake tensors and preflight's dispatch modes the model runs
+    eagerly: the report says its figure errs high)."""
+    compile_fn, module_compile = torch.compile, nn.Module.compile
+
+    def compile(*args: Any, **kwargs: Any) -> Any:
+        trace.compiled = True
+        return compile_fn(*args, **kwargs)
+
+    def compile_module(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        trace.compiled = True
+        module_compile(self, *args, **kwargs)
+
+    with _patched(torch, "compile", compile), _patched(nn.Module, "compile", compile_module):
+        yield
+
+
 def _data_parallel_forward(tracker: ScriptTracker) -> Callable[..., Any]:
     """``nn.DataParallel.forward`` on the one emulated GPU, as torch runs it with a single
     device: the weights must be on it (torch's own check, against what preflight counts as
@@ -1396,6 +1416,7 @@ def trace_script(
             stack.enter_context(_emulated_cuda(tracker, gpu, total_bytes, capability))
             stack.enter_context(_default_device(tracker))
             stack.enter_context(_cuda_functionals(tracker))
+            stack.enter_context(_noting_compile(trace))
             stack.enter_context(_fresh_accelerate())
             stack.enter_context(
                 _patched(nn.DataParallel, "forward", _data_parallel_forward(tracker))
@@ -1926,6 +1947,13 @@ def script_notes(trace: ScriptTrace, steps: int, extra_steps: int) -> list[str]:
         notes.append(
             f"no checkpoint in the first {trace.steps_done} steps: the checkpoint phase is not"
             " checked (torch.save itself copies to host memory; copies on the GPU are the risk)"
+        )
+    if trace.compiled:
+        notes.append(
+            "the script compiles its model (torch.compile): preflight ran it eagerly, op by op;"
+            " a compiled model fuses operators and may recompute activations instead of keeping"
+            " them, so it usually needs less than this report says (the verdict errs on the"
+            " safe side)"
         )
     for s in trace.stand_ins:
         times = "" if s.count == 1 else f" ({s.count} times)"

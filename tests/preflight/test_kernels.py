@@ -283,3 +283,14 @@ def test_cuda_autocast_runs_attention_in_its_lower_precision(tmp_path: Path) -> 
     plain = _trace(tmp_path, AUTOCAST.replace('"cuda", dtype', '"cuda", enabled=False, dtype'))
     note = next(n for n in plain.notes if "CUDA's kernels" in n)
     assert "memory-efficient" in note and "flash" not in note
+
+
+def test_the_backends_the_script_allows_are_the_ones_chosen_from() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = _qkv(2, 4, 16, 64, torch.float16)
+    with sdpa_kernel(SDPBackend.MATH):  # a script that asks for the math path gets its memory
+        assert sdpa_backend(H100, q, k, v, None, 0.0, False, False) == "math"
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        assert sdpa_backend(H100, q, k, v, None, 0.0, False, False) == "efficient"
+    assert sdpa_backend(H100, q, k, v, None, 0.0, False, False) == "flash"

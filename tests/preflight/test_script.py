@@ -1032,3 +1032,34 @@ def test_fp16_with_a_grad_scaler_takes_its_steps(tmp_path: Path, scaler: str) ->
     # Adam's two moments exist: the optimizer really stepped
     weights = 4 * (512 * 2048 + 2048 + 2048 * 10 + 10)
     assert report.replay.peak_allocated_bytes > 3 * weights
+
+
+def test_a_compiled_model_is_run_eagerly_and_the_report_says_so(tmp_path: Path) -> None:
+    from oomcast.preflight.script import script_notes, trace_script
+
+    text = textwrap.dedent(
+        """
+        import torch
+        model = torch.compile(torch.nn.Linear(64, 64).cuda())
+        other = torch.nn.Linear(64, 64).cuda()
+        other.compile()
+        opt = torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1)
+        for step in range(3):
+            other(model(torch.randn(8, 64, device="cuda"))).sum().backward()
+            opt.step()
+        """
+    )
+    trace = trace_script(
+        str(_script(tmp_path, text)), [], total_bytes=1 << 40, steps=2, extra_steps=0
+    )
+    assert trace.compiled and trace.steps_done == 2
+    assert any("ran it eagerly" in n for n in script_notes(trace, 2, 0))
+    plain = trace_script(
+        str(_script(tmp_path, text.replace("torch.compile(", "(").replace("other.compile()", ""))),
+        [],
+        total_bytes=1 << 40,
+        steps=2,
+        extra_steps=0,
+    )
+    assert not plain.compiled
+    assert not any("ran it eagerly" in n for n in script_notes(plain, 2, 0))

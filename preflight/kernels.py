@@ -163,8 +163,8 @@ def sdpa_backend(
     kernel nor math, PyTorch raises and the math path stands in)."""
     major = capability[0]
     # what the script allows (torch.nn.attention.sdpa_kernel, torch.backends.cuda.enable_*)
-    flash_on = torch.backends.cuda.flash_sdp_enabled()
-    efficient_on = torch.backends.cuda.mem_efficient_sdp_enabled()
+    flash_on = torch.backends.cuda.flash_sdp_enabled()  # type: ignore[no-untyped-call]
+    efficient_on = torch.backends.cuda.mem_efficient_sdp_enabled()  # type: ignore[no-untyped-call]
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "math"
     if any(t.stride(-1) != 1 and t.size(-1) != 1 for t in (q, k, v)):

@@ -11,16 +11,18 @@ them allocate as they would on the target GPU:
   backward pass. On a GPU PyTorch picks a fused kernel where the inputs allow it:
   *flash* (fp16/bf16, no mask, head dim at most 256, compute capability 8.0 or later) or
   *memory-efficient* (fp16/bf16/fp32, any mask, head dim aligned), which keep the output
-  and a log-sum-exp of (batch, heads, L) floats instead. :func:`sdpa_backend` follows
+  and a log-sum-exp of (batch, heads, L) floats instead (the math path, where neither
+  applies, upcasts half-precision inputs to fp32 on CUDA). :func:`sdpa_backend` follows
   PyTorch's choice (``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``); each fused
   kernel's allocations, forward and backward, follow ``flash_api.cpp`` (``mha_fwd``,
   ``mha_bwd``) and ``attention.cu`` / ``attention_backward.cu``
   (``_efficient_attention_forward`` / ``_backward``): shapes, dtypes, the rounding of the
   sequence length, the temporary buffers and copies. Where neither fused kernel applies the
   math path runs as CUDA runs it (its dropout keeps a boolean mask, below).
-- **Dropout** (``F.dropout`` in training). On CUDA it is one fused kernel that keeps a
-  *boolean* mask (1 byte an element) for the backward pass; on the CPU it draws a float
-  noise tensor (4 bytes an element, or 2 in half precision) and keeps that.
+- **Dropout** (``F.dropout`` in training, not in place). On CUDA it is one fused kernel
+  that keeps a *boolean* mask (1 byte an element) for the backward pass; on the CPU it draws
+  a float noise tensor (4 bytes an element, or 2 in half precision) and keeps that. In-place
+  dropout multiplies by such a noise tensor on both, and is left alone.
 - **The cuBLAS workspaces**: the first matrix product a thread runs on a stream takes a
   workspace from the caching allocator and keeps it for the life of the process
   (``aten/src/ATen/cuda/CublasHandlePool.cpp``: one per cuBLAS handle and stream, and the
@@ -104,16 +106,17 @@ class CudaKernels:
     # -- dropout ----------------------------------------------------------------------------
     @staticmethod
     def fused_dropout_applies(input: torch.Tensor, p: float, training: bool) -> bool:
-        """Whether CUDA runs this ``F.dropout`` as its fused kernel (ATen's
-        ``is_fused_kernel_acceptable``): in training, 0 < p < 1, a non-empty input."""
+        """Whether CUDA runs this (out-of-place) ``F.dropout`` as its fused kernel (ATen's
+        ``is_fused_kernel_acceptable``): in training, 0 < p < 1, a non-empty input. In-place
+        dropout never is: ``dropout_`` multiplies by a noise tensor of the input's type on
+        CUDA as on the CPU."""
         return bool(training) and 0.0 < p < 1.0 and input.numel() > 0
 
-    def dropout(self, input: torch.Tensor, p: float, inplace: bool = False) -> torch.Tensor:
+    def dropout(self, input: torch.Tensor, p: float) -> torch.Tensor:
         """``F.dropout`` as CUDA runs it in training: ``native_dropout``, which keeps a
         boolean mask."""
         self.seen["dropout"] += 1
-        out = torch.native_dropout(input, p, True)[0]
-        return input.copy_(out) if inplace else out
+        return torch.native_dropout(input, p, True)[0]
 
     # -- attention --------------------------------------------------------------------------
     def attention(
@@ -134,8 +137,16 @@ class CudaKernels:
         )
         self.seen[backend] += 1
         if backend == "flash":
+            # a head dim that is not a multiple of 8 is padded outside the kernel (copies of
+            # q, k and v, which the kernel keeps), and the output sliced back: a view
+            d = query.size(-1)
+            pad = (8 - d % 8) % 8
+            if pad:
+                query, key, value = (
+                    torch.nn.functional.pad(t, (0, pad)) for t in (query, key, value)
+                )
             out: torch.Tensor = _Flash.apply(query, key, value)  # type: ignore[no-untyped-call]
-            return out
+            return out[..., :d] if pad else out
         if backend == "efficient":
             bias = _efficient_bias(query, attn_mask)
             # the log-sum-exp is kept only when the backward pass will need it
@@ -176,8 +187,14 @@ def sdpa_backend(
     same_heads = q.size(1) == k.size(1)
     gqa_ok = enable_gqa and k.size(1) > 0 and q.size(1) % k.size(1) == 0
     d = q.size(-1)
+    # on 8.6-8.9 and 12.x (less shared memory) flash's backward refuses head dims 193-224,
+    # and above 224 with dropout
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    small_smem = (major == 8 and capability[1] in (6, 7, 9)) or major == 12
+    flash_dims = not (small_smem and training and (192 < d <= 224 or (d > 224 and dropout_p > 0.0)))
     if (
         flash_on
+        and flash_dims
         and 8 <= major <= 12
         and q.dtype in _HALF
         and k.dtype == q.dtype == v.dtype
@@ -188,11 +205,15 @@ def sdpa_backend(
         and (same_heads or gqa_ok)
     ):
         return "flash"
-    align = 8 if q.dtype in _HALF else 4
+    # minimum_gemm_alignment: with tensor cores (8.0 and later) 8 for fp16/bf16, 4 for
+    # fp32; before 8.0 fp32 has none, and bf16 is not supported at all
+    align = 8 if q.dtype in _HALF else (4 if major >= 8 else 1)
     if (
         efficient_on
         and major >= 5
-        and q.dtype in (*_HALF, torch.float32)
+        and (
+            q.dtype in (torch.float16, torch.float32) or (q.dtype == torch.bfloat16 and major >= 8)
+        )
         and k.dtype == q.dtype == v.dtype
         and same_heads
         and d == k.size(-1)
@@ -225,28 +246,23 @@ def _efficient_bias(q: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor 
 
 class _Flash(torch.autograd.Function):
     """``_scaled_dot_product_flash_attention``'s allocations: the output (laid out as the
-    query is, in (B, L, H, D) order) and the log-sum-exp, (B, H, L) floats, kept for the
-    backward pass; a head dim not a multiple of 8 pads copies of q, k and v first."""
+    query is) and the log-sum-exp, (B, H, L) floats, kept for the backward pass; the
+    backward's dQ accumulator and row sums in fp32 for the length of its call. The output
+    is a tensor of its own, not a view, so a script may change it in place as it may the
+    real one's."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        d = q.size(-1)
-        pad = (8 - d % 8) % 8
-        if pad:
-            q, k, v = (torch.nn.functional.pad(t, (0, pad)) for t in (q, k, v))
-        out = torch.empty_like(q.transpose(1, 2))  # (B, L, H, D), the query's layout
+        out = torch.empty_like(q)  # mha_fwd's empty_like of the (B, L, H, D) view: q's layout
         lse = q.new_empty((q.size(0), q.size(1), q.size(2)), dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.d, ctx.pad = d, pad
-        return out.transpose(1, 2)[..., :d]
+        return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
         q, k, v, out, _lse = ctx.saved_tensors
-        if ctx.pad:
-            dout = torch.nn.functional.pad(dout, (0, ctx.pad))
         g = dout.transpose(1, 2).contiguous()  # _flash_attention_backward's copies
-        o = out.contiguous()
+        o = out.transpose(1, 2).contiguous()
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         dq, dk, dv = (torch.empty_like(t) for t in (qt, kt, vt))
         b, lq, hq, d = qt.shape
@@ -257,8 +273,7 @@ class _Flash(torch.autograd.Function):
         if kt.size(2) != hq:  # grouped-query attention: dk, dv for every query head, summed
             expanded = tuple(q.new_empty((b, t.size(1), hq, t.size(3))) for t in (kt, vt))
         del g, o, softmax_d, dq_accum, expanded
-        d0 = ctx.d
-        return tuple(t.transpose(1, 2)[..., :d0] for t in (dq, dk, dv))
+        return tuple(t.transpose(1, 2) for t in (dq, dk, dv))
 
 
 class _Efficient(torch.autograd.Function):
@@ -277,14 +292,15 @@ class _Efficient(torch.autograd.Function):
     ) -> torch.Tensor:
         b, hq, lq, _ = q.shape
         dv = v.size(-1)
-        res = q.new_empty((b, lq, hq, dv))
+        # (B, L, H, Dv) in memory, handed out as (B, H, L, Dv): a tensor, not a view
+        res = q.new_empty_strided((b, hq, lq, dv), (lq * hq * dv, dv, hq * dv, 1))
         lse = q.new_empty((b, hq, _round_up(lq, 32) if grad else 0), dtype=torch.float32)
         if q.dtype in _HALF and dv > 128:
             accum = q.new_empty((b, lq, hq, dv), dtype=torch.float32)
             del accum
         ctx.save_for_backward(q, k, v, res, lse, bias)
         ctx.bias_grad = bias is not None and bias.requires_grad
-        return res.transpose(1, 2)
+        return res
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -301,7 +317,7 @@ class _Efficient(torch.autograd.Function):
         if q.dtype in _HALF:
             delta = q.new_empty((b, hq, lq), dtype=torch.float32)
         else:  # computed on the host side: a full fp32 product, then its sum
-            delta = (g.float() * res.float()).sum(-1).transpose(-2, -1).contiguous()
+            delta = (g.float() * res.transpose(1, 2).float()).sum(-1).transpose(-2, -1).contiguous()
         # the fp32 accumulator of dQ, in 64 x 64 tiles (16 bytes of header each)
         tiles = -(-lq // 64) * -(-d // 64)
         size = b * hq * _round_up(tiles * (4 + 64 * 64), 4) * 4
@@ -321,9 +337,17 @@ def _math(
     scale: float | None,
     enable_gqa: bool,
 ) -> torch.Tensor:
-    """``_scaled_dot_product_attention_math`` as CUDA runs it: q and k each scaled by the
+    """``_scaled_dot_product_attention_math`` as CUDA runs it: half-precision inputs copied
+    to fp32 (unless ``allow_fp16_bf16_reduction_math_sdp``), q and k each scaled by the
     square root of the scale, the weights, the mask added, softmax, dropout with a boolean
-    mask (``native_dropout``), times v."""
+    mask (``native_dropout``), times v, and the output cast back."""
+    reduced = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()  # type: ignore[no-untyped-call]
+    low = q.dtype if q.dtype in _HALF else None
+    if low is not None and not reduced:
+        # the math path upcasts half-precision inputs and keeps what it computes in fp32
+        q, k, v = q.float(), k.float(), v.float()
+    else:
+        low = None
     factor = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
     if enable_gqa and q.dim() >= 3 and k.size(-3) != q.size(-3):
         k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
@@ -339,4 +363,5 @@ def _math(
     attn = torch.softmax(attn, -1)
     if p > 0.0:
         attn = torch.native_dropout(attn, p, True)[0]
-    return attn @ v
+    out = attn @ v
+    return out.to(low) if low is not None else out

@@ -1093,9 +1093,9 @@ def _cuda_functionals(tracker: ScriptTracker) -> Iterator[None]:
         k = tracker.kernels
         if k is None or not isinstance(input, torch.Tensor) or not tracker.is_device(input):
             return dropout(input, p, training, inplace)
-        if not k.fused_dropout_applies(input, p, training):
+        if inplace or not k.fused_dropout_applies(input, p, training):
             return dropout(input, p, training, inplace)
-        return k.dropout(input, p, inplace)
+        return k.dropout(input, p)
 
     with contextlib.ExitStack() as stack:
         for name, original, value in (
@@ -1103,7 +1103,11 @@ def _cuda_functionals(tracker: ScriptTracker) -> Iterator[None]:
             ("dropout", dropout, fused_dropout),
         ):
             for mod in [functional, *(m for m in list(sys.modules.values()) if m is not None)]:
-                if mod is functional or getattr(mod, name, None) is original:
+                try:  # a module's __getattr__ may raise anything (a lazy import that fails)
+                    bound = mod is functional or getattr(mod, name, None) is original
+                except Exception:
+                    continue
+                if bound:
                     stack.enter_context(_patched(mod, name, value))
         yield
 

@@ -37,6 +37,10 @@ def _qkv(
         (A100, torch.float32, 6, False, "math"),  # fp32 needs a head dim that is a multiple of 4
         (A100, torch.float16, 12, True, "math"),  # fp16 a multiple of 8
         (A100, torch.float64, 64, False, "math"),
+        (V100, torch.bfloat16, 64, False, "math"),  # no bf16 before 8.0
+        (V100, torch.float32, 6, False, "efficient"),  # and no fp32 alignment either
+        ((8, 6), torch.float16, 200, False, "efficient"),  # flash's backward: not 193-224 there
+        (A100, torch.float16, 200, False, "flash"),
     ],
 )
 def test_the_kernel_pytorch_would_pick(
@@ -294,3 +298,85 @@ def test_the_backends_the_script_allows_are_the_ones_chosen_from() -> None:
     with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
         assert sdpa_backend(H100, q, k, v, None, 0.0, False, False) == "efficient"
     assert sdpa_backend(H100, q, k, v, None, 0.0, False, False) == "flash"
+
+
+def test_flash_s_head_dim_limit_on_smaller_gpus_is_for_training_only() -> None:
+    q, k, v = _qkv(2, 4, 16, 200, torch.float16, grad=False)
+    assert sdpa_backend((8, 6), q, k, v, None, 0.0, False, False) == "flash"
+
+
+def test_the_math_path_keeps_its_weights_in_fp32_for_half_inputs() -> None:
+    # review finding: CUDA's math path upcasts fp16/bf16 and keeps fp32 weights
+    b, h, length = 2, 4, 32
+    # a mask rules flash out, a head dim of 12 (not 8-aligned) the memory-efficient kernel
+    q, k, v = _qkv(b, h, length, 12, torch.bfloat16)
+    mask = torch.ones(length, length, dtype=torch.bool).tril()
+    kernels = CudaKernels(A100)
+    tracker = PhaseTracker("cpu")
+    tracker.adopt((q, k, v, mask))
+    with tracker:
+        out = kernels.attention(q, k, v, attn_mask=mask, dropout_p=0.1)
+    sizes = [op.size for op in tracker.ops if op.alloc]
+    tracker.close()
+    assert kernels.seen["math"] == 1 and out.dtype == torch.bfloat16
+    assert b * h * length * length * 4 in sizes  # fp32 weights, not bf16 ones
+
+
+@pytest.mark.parametrize(
+    ("capability", "dtype", "d", "mask"),
+    [
+        (H100, torch.float16, 60, False),
+        (H100, torch.float16, 64, False),
+        (A100, torch.float32, 64, True),
+    ],
+)
+def test_the_attention_output_may_be_changed_in_place(
+    capability: tuple[int, int], dtype: torch.dtype, d: int, mask: bool
+) -> None:
+    # review finding: a view made inside the autograd Function refused in-place changes in
+    # the forward pass, which the real output allows
+    q, k, v = _qkv(2, 4, 16, d, dtype)
+    m = torch.zeros(1, 1, 16, 16, dtype=dtype, requires_grad=True) if mask else None
+    out = CudaKernels(capability).attention(q, k, v, attn_mask=m)
+    F.dropout(out, 0.1, True, inplace=True).mul_(2.0)  # an eval loop without no_grad
+    assert out.shape == q.shape and out.requires_grad
+
+
+IN_PLACE_DROPOUT = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    w = torch.nn.Parameter(torch.randn(64, 64, device="cuda"))
+    opt = torch.optim.SGD([w], lr=0.1)
+    for step in range(3):
+        h = torch.randn(8, 64, device="cuda") @ w
+        h = F.dropout(h, 0.1, True, INPLACE)
+        h.sum().backward()
+        opt.step()
+    """
+)
+
+
+def test_in_place_dropout_is_not_the_fused_kernel(tmp_path: Path) -> None:
+    # review finding: CUDA's dropout_ multiplies by a noise tensor, as the CPU's does
+    inplace = _trace(tmp_path, IN_PLACE_DROPOUT.replace("INPLACE", "True"), capability=A100)
+    assert not [n for n in inplace.notes if "dropout with a boolean mask" in n]
+    fused = _trace(tmp_path, IN_PLACE_DROPOUT.replace("INPLACE", "False"), capability=A100)
+    assert [n for n in fused.notes if "dropout with a boolean mask" in n]
+
+
+def test_a_module_whose_getattr_raises_does_not_stop_the_trace(tmp_path: Path) -> None:
+    # review finding: binding lookups ran every module's __getattr__, which may raise anything
+    import sys
+    import types
+
+    class Lazy(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            raise ImportError(f"lazy import of {name} failed")
+
+    sys.modules["oomcast_test_lazy"] = Lazy("oomcast_test_lazy")
+    try:
+        trace = _trace(tmp_path, LINEAR, capability=A100)
+    finally:
+        del sys.modules["oomcast_test_lazy"]
+    assert trace.steps_done == 2

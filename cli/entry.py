@@ -19,8 +19,9 @@ def main() -> int:
         print(
             f"{PROG}: error: the command needs {exc.name}, which the base install leaves out"
             " (it is the in-job hook's). Install it with an extra: pip install"
-            " 'oomcast[collector]' (the node agent), 'oomcast[service]' (the service) or"
-            " 'oomcast[demo]' (both, and the demo)",
+            " 'oomcast[collector]' (the node agent), 'oomcast[service]' (the service),"
+            " 'oomcast[preflight]' (checking a job before launch) or 'oomcast[demo]' (the"
+            " service, the agent and the demo)",
             file=sys.stderr,
         )
         return 2

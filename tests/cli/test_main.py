@@ -132,6 +132,7 @@ def test_a_base_install_without_an_extra_says_which_to_install() -> None:
     )
     assert done.returncode == 2, done.stderr
     assert "needs pydantic" in done.stderr and "pip install 'oomcast[collector]'" in done.stderr
+    assert "'oomcast[preflight]' (checking a job before launch)" in done.stderr
     assert "Traceback" not in done.stderr
     ok = subprocess.run(
         [sys.executable, "-m", "oomcast.cli", "--version"],

@@ -8,6 +8,7 @@ from oomcast.preflight.allocconf import AllocConf
 from oomcast.preflight.capture import capture_job, resolve_device
 from oomcast.preflight.gpus import CONTEXT_ALLOWANCE_BYTES
 from oomcast.preflight.job import PreflightJob
+from oomcast.preflight.kernels import CudaKernels
 from oomcast.preflight.remedies import find_remedies
 from oomcast.preflight.replay import Replay
 from oomcast.preflight.report import PreflightReport
@@ -20,10 +21,19 @@ class _Checker:
     steps: int
     device: str
 
-    def __call__(self, job: PreflightJob, conf: AllocConf) -> Replay:
+    def __call__(
+        self, job: PreflightJob, conf: AllocConf, kernels: CudaKernels | None = None
+    ) -> Replay:
         # replayed as it runs, so a run that OOMs early ends there
         rep = self.target.replayer(conf)
-        capture_job(job, fake=True, device=self.device, steps=self.steps, listener=rep.listen)
+        capture_job(
+            job,
+            fake=True,
+            device=self.device,
+            steps=self.steps,
+            listener=rep.listen,
+            kernels=kernels or CudaKernels(self.target.capability),
+        )
         return rep.result
 
 
@@ -46,7 +56,8 @@ def preflight(
     """
     target = Target.resolve(gpu, capacity_bytes, context_bytes, alloc_conf)
     check = _Checker(target, steps, device)
-    base = check(job, target.conf)
+    kernels = CudaKernels(target.capability)
+    base = check(job, target.conf, kernels)
     report = target.report(
         job=job.name,
         batch_size=job.batch_size,
@@ -56,11 +67,13 @@ def preflight(
     )
     if remedies:
         report.remedies = find_remedies(job, target.conf, check, base)
-    if report.device != "cuda":
-        report.notes.insert(
-            0,
-            "captured on CPU kernels (this torch has no CUDA): CUDA-only kernels and"
-            " workspaces (cuDNN, cuBLAS, flash attention) are not seen; the optimizer runs"
-            " its foreach path as it would on CUDA",
-        )
+    if report.device != "cuda" and device.partition(":")[0] == "cuda":
+        report.notes[:0] = [
+            "captured on CPU kernels (this torch has no CUDA): attention, dropout and the"
+            " cuBLAS workspaces allocate as CUDA's kernels do, other CUDA-only workspaces"
+            " (cuDNN) are not seen; the optimizer runs its foreach path as it would on CUDA",
+            *filter(None, [kernels.note()]),
+        ]
+    elif report.device != "cuda":
+        report.notes.insert(0, "captured on CPU kernels, for a CPU target")
     return report

@@ -21,8 +21,10 @@ there the job runs on (fake or real) CPU tensors and :attr:`JobCapture.device` s
 ``foreach`` is unset is switched to its ``foreach`` implementation when the target is
 ``cuda`` (PyTorch's default for CUDA parameters; its temporaries span all parameters at
 once). This holds for ``fake=False`` as well, so a fake and a real capture with the same
-``device`` run the same code. Kernels that differ between CPU and CUDA (attention, cuDNN)
-are not emulated.
+``device`` run the same code. Given ``kernels``, a CUDA target captured on the CPU also
+has its attention, dropout and cuBLAS workspaces allocate as CUDA's kernels do
+(``preflight/kernels.py``: what :func:`oomcast.preflight.preflight` asks for); cuDNN's
+kernels are not emulated.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from oomcast.preflight.devices import DeviceMap, module_moves_in_place
 from oomcast.preflight.job import PreflightJob
+from oomcast.preflight.kernels import CudaKernels, cuda_functionals
 from oomcast.preflight.tracker import PHASES, Listener, PhaseOp, PhaseTracker, StopCapture
 
 __all__ = [
@@ -216,12 +219,16 @@ def capture_job(
     checkpoints: int = 1,
     batch_size: int | None = None,
     listener: Listener | None = None,
+    kernels: CudaKernels | None = None,
 ) -> JobCapture:
     """Run ``job`` for ``steps`` train steps (plus evals and checkpoints) and record it.
 
     ``batch_size`` overrides the job's (it must stay divisible by ``job.grad_accum``).
     ``listener`` sees each op as it happens (persistent ones first); if it raises
     :class:`StopCapture` the run ends there and the capture has ``complete`` False.
+    ``kernels``: where a ``cuda`` target is captured on CPU kernels (this torch has no
+    CUDA), attention, dropout and cuBLAS's workspaces allocate as on that GPU instead
+    (``preflight/kernels.py``); elsewhere it is not used.
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, not {steps}")
@@ -236,9 +243,17 @@ def capture_job(
     target = device.partition(":")[0]
     dev = torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")
     tracker = PhaseTracker(kind, listener)
+    if kernels is not None and kind == "cpu" and target == "cuda":
+        tracker.kernels = kernels
     result = JobCapture(job=job.name, batch_size=size, device=kind, fake=fake)
     try:
-        with _fake_mode(fake), torch.device(dev), module_moves_in_place(dev), DeviceMap(dev):
+        with (
+            _fake_mode(fake),
+            torch.device(dev),
+            module_moves_in_place(dev),
+            DeviceMap(dev),
+            cuda_functionals(tracker),
+        ):
             model = _on_device(job.model(), dev)
             model.train()
             optimizer = job.optimizer(model.parameters())

@@ -40,12 +40,19 @@ convolution workspaces. ``docs/preflight.md`` lists them.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._pytree import tree_map
+
+if TYPE_CHECKING:
+    from oomcast.preflight.tracker import PhaseTracker
 
 MIB = 1 << 20
 _HALF = (torch.float16, torch.bfloat16)
@@ -91,7 +98,7 @@ class CudaKernels:
             n = self.seen["blas"]
             each = f"{self.blas_workspace_bytes / MIB:.2f} MiB"
             parts.append(
-                f"{n} cuBLAS workspaces of {each} (the script's thread and autograd's)"
+                f"{n} cuBLAS workspaces of {each} (the training thread's and autograd's)"
                 if n > 1
                 else f"the cuBLAS workspace ({each})"
             )
@@ -156,6 +163,68 @@ class CudaKernels:
             out = _Efficient.apply(query, key, value, bias, grad)  # type: ignore[no-untyped-call]
             return out
         return _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+@contextlib.contextmanager
+def cuda_functionals(tracker: PhaseTracker) -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` and ``F.dropout`` on ``tracker``'s device tensors
+    allocate as CUDA's kernels do (``tracker.kernels``). They are patched where they are
+    bound, not caught by a function mode: ``F.multi_head_attention_forward`` calls attention
+    inside itself, where a mode that caught the outer call no longer sees. A binding a
+    library makes during the run keeps the wrapper, which falls back to torch's own once the
+    run is over (the tracker's ``kernels`` is then None)."""
+    functional = torch.nn.functional
+    sdpa, dropout = functional.scaled_dot_product_attention, functional.dropout
+
+    def attention(query: Any, *args: Any, **kwargs: Any) -> Any:
+        k = tracker.kernels
+        if k is None or not isinstance(query, torch.Tensor) or not tracker.is_device(query):
+            return sdpa(query, *args, **kwargs)
+        if torch.is_autocast_enabled("cpu"):  # CUDA's autocast, emulated on the CPU
+            # CUDA's autocast runs attention in its lower precision: its floating inputs
+            # (the mask too) are cast first, which is what lets it pick flash
+            low = torch.get_autocast_dtype("cpu")
+
+            def cast(t: Any) -> Any:
+                eligible = isinstance(t, torch.Tensor) and t.is_floating_point()
+                return t.to(low) if eligible and t.dtype not in (low, torch.float64) else t
+
+            query, args, kwargs = cast(query), tree_map(cast, args), tree_map(cast, kwargs)
+        return k.attention(query, *args, **kwargs)
+
+    def fused_dropout(
+        input: Any, p: float = 0.5, training: bool = True, inplace: bool = False
+    ) -> Any:
+        k = tracker.kernels
+        if k is None or not isinstance(input, torch.Tensor) or not tracker.is_device(input):
+            return dropout(input, p, training, inplace)
+        if inplace or not k.fused_dropout_applies(input, p, training):
+            return dropout(input, p, training, inplace)
+        return k.dropout(input, p)
+
+    with contextlib.ExitStack() as stack:
+        for name, original, value in (
+            ("scaled_dot_product_attention", sdpa, attention),
+            ("dropout", dropout, fused_dropout),
+        ):
+            for mod in [functional, *(m for m in list(sys.modules.values()) if m is not None)]:
+                try:  # a module's __getattr__ may raise anything (a lazy import that fails)
+                    bound = mod is functional or getattr(mod, name, None) is original
+                except Exception:
+                    continue
+                if bound:
+                    stack.enter_context(_patch(mod, name, value))
+        yield
+
+
+@contextlib.contextmanager
+def _patch(target: Any, name: str, value: Any) -> Iterator[None]:
+    before = getattr(target, name)
+    setattr(target, name, value)
+    try:
+        yield
+    finally:
+        setattr(target, name, before)
 
 
 def sdpa_backend(

@@ -70,7 +70,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from oomcast.preflight.allocconf import AllocConf
 from oomcast.preflight.capture import foreach_like_cuda
 from oomcast.preflight.gpus import CONTEXT_ALLOWANCE_BYTES, DEFAULT_CAPABILITY
-from oomcast.preflight.kernels import CudaKernels
+from oomcast.preflight.kernels import CudaKernels, cuda_functionals
 from oomcast.preflight.remedies import Remedy, largest_fitting, peak_of
 from oomcast.preflight.replay import Replay
 from oomcast.preflight.report import PreflightReport
@@ -328,9 +328,6 @@ class ScriptTracker(PhaseTracker):  # type: ignore[no-untyped-call]  # torch: un
         self.cuda_before = False  # this process had a CUDA context before the script ran
         self.memory_fraction: float | None = None  # set_per_process_memory_fraction's
         self.on_fraction: Callable[[float], None] | None = None
-        # CUDA's kernels where they allocate otherwise than the CPU's (None: as traced)
-        self.kernels: CudaKernels | None = None
-        self.blas_workspaces: dict[str, torch.Tensor] = {}  # per thread, held for the run
 
     def set_memory_fraction(self, fraction: Any, device: Any = None) -> None:
         """``torch.cuda.set_per_process_memory_fraction`` on the emulated GPU: checked as
@@ -394,19 +391,7 @@ class ScriptTracker(PhaseTracker):  # type: ignore[no-untyped-call]  # torch: un
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default:
             return self._stand_in(args[0])
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        k = self.kernels
-        if k is not None and k.is_blas(func) and not self.untracked and self.records(args, kwargs):
-            # cuBLAS keeps one workspace per (handle, stream) and its handles are per thread:
-            # the script's thread, and the autograd engine's thread for the device, which
-            # runs every backward node on a GPU
-            thread = "autograd" if torch._C._current_autograd_node() is not None else "main"
-            if thread not in self.blas_workspaces:
-                ws = torch.empty(k.blas_workspace_bytes, dtype=torch.uint8)
-                self.blas_workspaces[thread] = ws
-                self.mark(ws)
-                k.seen["blas"] += 1
-        return out
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def records(self, args: Any, kwargs: Any) -> bool:
         """Device memory: a move or factory aimed at the GPU, an operator with a device
@@ -1061,58 +1046,6 @@ def _patch_everywhere(stack: contextlib.ExitStack, package: str, patches: dict[s
 
 
 @contextlib.contextmanager
-def _cuda_functionals(tracker: ScriptTracker) -> Iterator[None]:
-    """``F.scaled_dot_product_attention`` and ``F.dropout`` on device tensors allocate as
-    CUDA's kernels do (``tracker.kernels``, ``preflight/kernels.py``). They are patched where
-    they are bound, not caught by a function mode: ``F.multi_head_attention_forward`` calls
-    attention inside itself, where a mode that caught the outer call no longer sees. A
-    binding a library makes during the run keeps the wrapper, which falls back to torch's
-    own once the run is over (``tracker.kernels`` is then None)."""
-    functional = torch.nn.functional
-    sdpa, dropout = functional.scaled_dot_product_attention, functional.dropout
-
-    def attention(query: Any, *args: Any, **kwargs: Any) -> Any:
-        k = tracker.kernels
-        if k is None or not isinstance(query, torch.Tensor) or not tracker.is_device(query):
-            return sdpa(query, *args, **kwargs)
-        if torch.is_autocast_enabled("cpu"):  # the emulated CUDA autocast (_CudaAutocastOnCpu)
-            # CUDA's autocast runs attention in its lower precision: its floating inputs
-            # (the mask too) are cast first, which is what lets it pick flash
-            low = torch.get_autocast_dtype("cpu")
-
-            def cast(t: Any) -> Any:
-                eligible = isinstance(t, torch.Tensor) and t.is_floating_point()
-                return t.to(low) if eligible and t.dtype not in (low, torch.float64) else t
-
-            query, args, kwargs = cast(query), tree_map(cast, args), tree_map(cast, kwargs)
-        return k.attention(query, *args, **kwargs)
-
-    def fused_dropout(
-        input: Any, p: float = 0.5, training: bool = True, inplace: bool = False
-    ) -> Any:
-        k = tracker.kernels
-        if k is None or not isinstance(input, torch.Tensor) or not tracker.is_device(input):
-            return dropout(input, p, training, inplace)
-        if inplace or not k.fused_dropout_applies(input, p, training):
-            return dropout(input, p, training, inplace)
-        return k.dropout(input, p)
-
-    with contextlib.ExitStack() as stack:
-        for name, original, value in (
-            ("scaled_dot_product_attention", sdpa, attention),
-            ("dropout", dropout, fused_dropout),
-        ):
-            for mod in [functional, *(m for m in list(sys.modules.values()) if m is not None)]:
-                try:  # a module's __getattr__ may raise anything (a lazy import that fails)
-                    bound = mod is functional or getattr(mod, name, None) is original
-                except Exception:
-                    continue
-                if bound:
-                    stack.enter_context(_patched(mod, name, value))
-        yield
-
-
-@contextlib.contextmanager
 def _noting_compile(trace: ScriptTrace) -> Iterator[None]:
     """``torch.compile`` and ``Module.compile`` run as they are; the trace notes that the
     script asked for them (under fake tensors and preflight's dispatch modes the model runs
@@ -1419,7 +1352,7 @@ def trace_script(
             stack.enter_context(_module_moves(tracker))
             stack.enter_context(_emulated_cuda(tracker, gpu, total_bytes, capability))
             stack.enter_context(_default_device(tracker))
-            stack.enter_context(_cuda_functionals(tracker))
+            stack.enter_context(cuda_functionals(tracker))
             stack.enter_context(_noting_compile(trace))
             stack.enter_context(_fresh_accelerate())
             stack.enter_context(
@@ -1485,8 +1418,6 @@ def trace_script(
         tracker.close()
     trace.stand_ins = list(tracker.stand_ins.values())
     trace.memory_fraction = tracker.memory_fraction
-    tracker.blas_workspaces.clear()
-    tracker.kernels = None  # wrappers a library bound during the run fall back to torch's
     kernel_note = kernels.note() if kernels is not None else None
     if kernel_note:
         trace.notes.append(kernel_note)

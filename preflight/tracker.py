@@ -18,7 +18,7 @@ import contextlib
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,6 +27,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from oomcast.training.module_stack import ModuleStack
+
+if TYPE_CHECKING:
+    from oomcast.preflight.kernels import CudaKernels
 
 PHASES = ("forward", "backward", "optimizer", "eval", "checkpoint", "other")
 
@@ -71,6 +74,10 @@ class PhaseTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         self._sizes: dict[int, int] = {}  # sid -> bytes, of the live storages
         self.live_bytes = 0  # what torch.cuda.memory_allocated would say, as the run goes
         self.peak_bytes = 0
+        # CUDA's kernels where they allocate otherwise than the CPU's (None: as traced), and
+        # cuBLAS's workspaces, per thread, held for the run (preflight/kernels.py)
+        self.kernels: CudaKernels | None = None
+        self.blas_workspaces: dict[str, torch.Tensor] = {}
 
     # -- modules ------------------------------------------------------------------------------
     def watch(self, model: nn.Module) -> None:
@@ -79,6 +86,8 @@ class PhaseTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
 
     def close(self) -> None:
         """Remove the module hooks and stop reporting frees (the run is over)."""
+        self.blas_workspaces.clear()
+        self.kernels = None  # wrappers a library bound during the run fall back to torch's
         self.modules.close()
         for f in self._finalizers:
             f.detach()
@@ -140,7 +149,29 @@ class PhaseTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
                 if op is not None:
                     self.ops.append(op)
                     self.tell(op)
+        if self.kernels is not None and self.kernels.is_blas(func):
+            self._blas_workspace(module)
         return out
+
+    def is_device(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is on the tracked device (a subclass may tell otherwise)."""
+        return t.device.type == self.device_type and not t.is_sparse
+
+    def _blas_workspace(self, module: str) -> None:
+        """cuBLAS keeps one workspace per (handle, stream), and its handles are per thread:
+        the script's thread, and the autograd engine's thread for the device, which runs
+        every backward node on a GPU. The first matrix product on each takes one for good."""
+        assert self.kernels is not None
+        thread = "autograd" if torch._C._current_autograd_node() is not None else "main"
+        if thread in self.blas_workspaces:
+            return
+        ws = torch.empty(self.kernels.blas_workspace_bytes, dtype=torch.uint8)
+        self.blas_workspaces[thread] = ws
+        self.kernels.seen["blas"] += 1
+        op = self._see(ws, self.phase, module)
+        if op is not None:
+            self.ops.append(op)
+            self.tell(op)
 
     def records(self, args: Any, kwargs: Any) -> bool:
         """Whether the outputs of an operator called with ``args`` are recorded (those on

@@ -380,3 +380,35 @@ def test_a_module_whose_getattr_raises_does_not_stop_the_trace(tmp_path: Path) -
     finally:
         del sys.modules["oomcast_test_lazy"]
     assert trace.steps_done == 2
+
+
+def _encoder_job() -> Any:
+    from oomcast.preflight.job import PreflightJob
+
+    return PreflightJob(
+        name="encoder",
+        model=lambda: torch.nn.TransformerEncoderLayer(64, 4, 256, batch_first=True),
+        batch=lambda size, step: torch.randn(size, 128, 64),
+        loss=lambda model, x: model(x).sum(),
+        batch_size=16,
+        checkpoint="none",
+    )
+
+
+def test_a_described_job_for_a_gpu_gets_cuda_s_kernels_too() -> None:
+    # preflight(job) and the Trainer / Lightning callbacks that call it capture on the CPU
+    # here: the same three operators allocate as on the GPU named
+    from oomcast.preflight import preflight
+    from oomcast.preflight.capture import capture_job
+
+    report = preflight(_encoder_job(), gpu="A100-40GB", remedies=False)
+    note = [n for n in report.notes if "CUDA's kernels were emulated" in n]
+    assert note and "memory-efficient kernel" in note[0] and "compute capability 8.0" in note[0]
+    on_cpu = capture_job(_encoder_job())  # no kernels given: the CPU's, as the zoo's truth
+    on_gpu = capture_job(_encoder_job(), kernels=CudaKernels(A100))
+    workspaces = 2 * CudaKernels(A100).blas_workspace_bytes
+    # the math path's (16, 4, 128, 128) fp32 weights, noise and dropped weights: 12 MiB
+    assert on_cpu.peak_live_bytes() - (on_gpu.peak_live_bytes() - workspaces) >= 8 * MIB
+    # a CPU target keeps the CPU's kernels whatever it is given
+    cpu_target = capture_job(_encoder_job(), device="cpu", kernels=CudaKernels(A100))
+    assert cpu_target.peak_live_bytes() == on_cpu.peak_live_bytes()

@@ -49,13 +49,24 @@ PARTS = {"oomcast.service": "service", "oomcast.bench": "demo", "oomcast.trainin
          "oomcast.preflight": "train"}  # fmt: skip
 
 
-def missing_extra(module: str) -> str | None:
+# Commands with an extra of their own for what they need (preflight: torch, without the
+# training tools)
+COMMAND_EXTRAS = {"preflight": "preflight"}
+
+
+def missing_extra(module: str, command: str | None = None) -> str | None:
     """The extra that installs ``module`` (a dotted name is judged by its top level; one of
-    oomcast's own parts, by the part)."""
+    oomcast's own parts, by the part), for ``command`` where it has an extra of its own."""
+    found = None
     for part, extra in PARTS.items():
         if module == part or module.startswith(part + "."):
-            return extra
-    return EXTRAS.get(module.partition(".")[0])
+            found = extra
+            break
+    else:
+        found = EXTRAS.get(module.partition(".")[0])
+    if found == "train" and command in COMMAND_EXTRAS:
+        return COMMAND_EXTRAS[command]
+    return found
 
 
 def package_version() -> str:

@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return func(args)
     except ModuleNotFoundError as exc:
-        extra = missing_extra(exc.name or "")
+        extra = missing_extra(exc.name or "", args.command)
         if extra is None:
             raise
         print(

@@ -226,9 +226,9 @@ def capture_job(
     ``batch_size`` overrides the job's (it must stay divisible by ``job.grad_accum``).
     ``listener`` sees each op as it happens (persistent ones first); if it raises
     :class:`StopCapture` the run ends there and the capture has ``complete`` False.
-    ``kernels``: where a ``cuda`` target is captured on CPU kernels (this torch has no
-    CUDA), attention, dropout and cuBLAS's workspaces allocate as on that GPU instead
-    (``preflight/kernels.py``); elsewhere it is not used.
+    ``kernels``: for a ``cuda`` target, cuBLAS's workspaces are added, and where the target
+    is captured on CPU kernels (this torch has no CUDA) attention and dropout allocate as on
+    that GPU too (``preflight/kernels.py``); a CPU target does not use it.
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, not {steps}")
@@ -243,7 +243,10 @@ def capture_job(
     target = device.partition(":")[0]
     dev = torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")
     tracker = PhaseTracker(kind, listener)
-    if kernels is not None and kind == "cpu" and target == "cuda":
+    if kernels is not None and target == "cuda":
+        # on fake CUDA tensors (a CUDA build) the kernels' own fakes allocate as CUDA's do,
+        # but cuBLAS's workspaces are nobody's operator output: those still are added
+        kernels.functionals = kind == "cpu"
         tracker.kernels = kernels
     result = JobCapture(job=job.name, batch_size=size, device=kind, fake=fake)
     try:

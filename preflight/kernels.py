@@ -73,6 +73,9 @@ class CudaKernels:
 
     capability: tuple[int, int] = (8, 0)
     seen: Counter[str] = field(default_factory=Counter)
+    # attention and dropout too (False: cuBLAS's workspaces only, where the capture runs
+    # on fake CUDA tensors, whose own kernels already allocate as CUDA's do)
+    functionals: bool = True
 
     @property
     def blas_workspace_bytes(self) -> int:
@@ -178,25 +181,32 @@ def cuda_functionals(tracker: PhaseTracker) -> Iterator[None]:
 
     def attention(query: Any, *args: Any, **kwargs: Any) -> Any:
         k = tracker.kernels
-        if k is None or not isinstance(query, torch.Tensor) or not tracker.is_device(query):
+        if k is None or not k.functionals:
             return sdpa(query, *args, **kwargs)
-        if torch.is_autocast_enabled("cpu"):  # CUDA's autocast, emulated on the CPU
+        if not isinstance(query, torch.Tensor) or not tracker.is_device(query):
+            return sdpa(query, *args, **kwargs)
+        on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        if on:  # CUDA's autocast (emulated on the CPU, or CUDA's own on a CUDA build)
             # CUDA's autocast runs attention in its lower precision: its floating inputs
             # (the mask too) are cast first, which is what lets it pick flash
-            low = torch.get_autocast_dtype("cpu")
+            low = torch.get_autocast_dtype(on[0])
 
             def cast(t: Any) -> Any:
                 eligible = isinstance(t, torch.Tensor) and t.is_floating_point()
                 return t.to(low) if eligible and t.dtype not in (low, torch.float64) else t
 
             query, args, kwargs = cast(query), tree_map(cast, args), tree_map(cast, kwargs)
-        return k.attention(query, *args, **kwargs)
+        # and inside the kernel autocast is off (the math path's products stay in fp32)
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return k.attention(query, *args, **kwargs)
 
     def fused_dropout(
         input: Any, p: float = 0.5, training: bool = True, inplace: bool = False
     ) -> Any:
         k = tracker.kernels
-        if k is None or not isinstance(input, torch.Tensor) or not tracker.is_device(input):
+        if k is None or not k.functionals:
+            return dropout(input, p, training, inplace)
+        if not isinstance(input, torch.Tensor) or not tracker.is_device(input):
             return dropout(input, p, training, inplace)
         if inplace or not k.fused_dropout_applies(input, p, training):
             return dropout(input, p, training, inplace)
@@ -274,9 +284,9 @@ def sdpa_backend(
         and (same_heads or gqa_ok)
     ):
         return "flash"
-    # minimum_gemm_alignment: with tensor cores (8.0 and later) 8 for fp16/bf16, 4 for
-    # fp32; before 8.0 fp32 has none, and bf16 is not supported at all
-    align = 8 if q.dtype in _HALF else (4 if major >= 8 else 1)
+    # minimum_gemm_alignment: with tensor cores 8 for fp16/bf16 (7.0 and later) and 4 for
+    # fp32 (8.0 and later), else none; bf16 is not supported before 8.0 at all
+    align = (8 if major >= 7 else 1) if q.dtype in _HALF else (4 if major >= 8 else 1)
     if (
         efficient_on
         and major >= 5

@@ -1045,20 +1045,42 @@ def _patch_everywhere(stack: contextlib.ExitStack, package: str, patches: dict[s
                 stack.enter_context(_patched(mod, name, value))
 
 
+_SDP_FLAGS = (
+    ("flash_sdp_enabled", "enable_flash_sdp"),
+    ("mem_efficient_sdp_enabled", "enable_mem_efficient_sdp"),
+    ("math_sdp_enabled", "enable_math_sdp"),
+    ("cudnn_sdp_enabled", "enable_cudnn_sdp"),
+    ("fp16_bf16_reduction_math_sdp_allowed", "allow_fp16_bf16_reduction_math_sdp"),
+)
+
+
+def _sdp_flags() -> dict[str, bool]:
+    """``torch.backends.cuda``'s attention settings (process-wide: a script may change them)."""
+    cuda = torch.backends.cuda
+    return {setter: bool(getattr(cuda, getter)()) for getter, setter in _SDP_FLAGS}
+
+
+def _set_sdp_flags(flags: dict[str, bool]) -> None:
+    for setter, value in flags.items():
+        getattr(torch.backends.cuda, setter)(value)
+
+
 @contextlib.contextmanager
 def _noting_compile(trace: ScriptTrace) -> Iterator[None]:
-    """``torch.compile`` and ``Module.compile`` run as they are; the trace notes that the
-    script asked for them (under fake tensors and preflight's dispatch modes the model runs
-    eagerly: the report says its figure errs high)."""
-    compile_fn, module_compile = torch.compile, nn.Module.compile
+    """``torch.compile`` and ``Module.compile`` leave the model as it is, and the trace notes
+    that the script asked for them: the model runs eagerly (the report says its figure errs
+    high)."""
 
-    def compile(*args: Any, **kwargs: Any) -> Any:
+    def compile(model: Any = None, *args: Any, **kwargs: Any) -> Any:
+        # the model itself, uncompiled: dynamo would not compile under preflight's modes
+        # anyway, and with fullgraph=True it raises for that ("found no compiled frames")
         trace.compiled = True
-        return compile_fn(*args, **kwargs)
+        if model is None:  # @torch.compile(mode=...): a decorator
+            return lambda fn: compile(fn)
+        return model
 
     def compile_module(self: nn.Module, *args: Any, **kwargs: Any) -> None:
         trace.compiled = True
-        module_compile(self, *args, **kwargs)
 
     with _patched(torch, "compile", compile), _patched(nn.Module, "compile", compile_module):
         yield
@@ -1316,6 +1338,7 @@ def trace_script(
     handles: list[Any] = []
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     saved_dtype = torch.get_default_dtype()  # a script's set_default_dtype stays its own
+    saved_sdp = _sdp_flags()  # and so do its attention backend choices
     saved_env = os.environ.get(PREFLIGHT_ENV)
     os.environ[PREFLIGHT_ENV] = "1"
     sys.argv = [path if path is not None else str(module), *argv]
@@ -1410,6 +1433,7 @@ def trace_script(
             undo()
         sys.argv, sys.path[:] = saved_argv, saved_path
         torch.set_default_dtype(saved_dtype)
+        _set_sdp_flags(saved_sdp)
         if saved_env is None:
             os.environ.pop(PREFLIGHT_ENV, None)
         else:

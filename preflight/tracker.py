@@ -86,12 +86,12 @@ class PhaseTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
 
     def close(self) -> None:
         """Remove the module hooks and stop reporting frees (the run is over)."""
-        self.blas_workspaces.clear()
         self.kernels = None  # wrappers a library bound during the run fall back to torch's
         self.modules.close()
         for f in self._finalizers:
             f.detach()
         self._finalizers.clear()
+        self.blas_workspaces.clear()  # after the finalizers: no free of them is reported
         self._live.clear()
 
     # -- storages -----------------------------------------------------------------------------

@@ -192,7 +192,7 @@ def test_without_torch_the_command_names_the_extra() -> None:
     )
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
-    assert "pip install 'oomcast[train]'" in out.stderr
+    assert "pip install 'oomcast[preflight]'" in out.stderr  # torch, not the training tools
 
 
 @pytest.mark.slow

@@ -412,3 +412,50 @@ def test_a_described_job_for_a_gpu_gets_cuda_s_kernels_too() -> None:
     # a CPU target keeps the CPU's kernels whatever it is given
     cpu_target = capture_job(_encoder_job(), device="cpu", kernels=CudaKernels(A100))
     assert cpu_target.peak_live_bytes() == on_cpu.peak_live_bytes()
+
+
+def test_a_script_s_attention_settings_do_not_outlive_its_trace(tmp_path: Path) -> None:
+    # review finding: a script that turned flash off left it off for every later check
+    text = (
+        "import torch\n"
+        "torch.backends.cuda.enable_flash_sdp(False)\n"
+        "torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)\n"
+    ) + LINEAR
+    before = (
+        torch.backends.cuda.flash_sdp_enabled(),
+        torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed(),
+    )
+    _trace(tmp_path, text, capability=A100)
+    after = (
+        torch.backends.cuda.flash_sdp_enabled(),
+        torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed(),
+    )
+    assert after == before == (True, False)
+
+
+MATH_UNDER_AUTOCAST = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    w = torch.nn.Parameter(torch.randn(64, 64, device="cuda"))
+    opt = torch.optim.SGD([w], lr=0.1)
+    for step in range(3):
+        x = torch.randn(4, 8, 256, 64, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16), sdpa_kernel(SDPBackend.MATH):
+            q = x @ w
+            y = F.scaled_dot_product_attention(q, q, q)
+        y.float().sum().backward()
+        opt.step()
+    """
+)
+
+
+def test_the_math_path_under_autocast_keeps_fp32_weights(tmp_path: Path) -> None:
+    # review finding: CUDA's autocast is off inside attention, so the math path's
+    # products stay in fp32; they were cast back to bf16 here
+    trace = _trace(tmp_path, MATH_UNDER_AUTOCAST, capability=A100)
+    assert any("attention as the math path" in n for n in trace.notes)
+    weights = 4 * 8 * 256 * 256  # elements of the (B, H, L, S) weights; no other tensor's
+    assert any(op.alloc and op.size == weights * 4 for op in trace.ops)
+    assert not any(op.alloc and op.size == weights * 2 for op in trace.ops)

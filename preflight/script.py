@@ -892,7 +892,10 @@ def _emulated_cuda(
         "get_device_name": lambda *a, **k: gpu,
         "get_device_properties": lambda *a, **k: _FakeProps(gpu, total, capability),
         "get_device_capability": lambda *a, **k: capability,
-        "is_bf16_supported": lambda *a, **k: True,
+        # natively from 8.0; before, torch answers True unless asked without emulation
+        "is_bf16_supported": lambda including_emulation=True: (
+            bool(including_emulation) or capability >= (8, 0)
+        ),
         "mem_get_info": lambda *a, **k: (total, total),
         "set_device": noop,
         "synchronize": noop,

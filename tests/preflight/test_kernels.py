@@ -459,3 +459,15 @@ def test_the_math_path_under_autocast_keeps_fp32_weights(tmp_path: Path) -> None
     weights = 4 * 8 * 256 * 256  # elements of the (B, H, L, S) weights; no other tensor's
     assert any(op.alloc and op.size == weights * 4 for op in trace.ops)
     assert not any(op.alloc and op.size == weights * 2 for op in trace.ops)
+
+
+def test_bf16_support_is_the_target_s(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = (
+        "import torch\n"
+        "print('BF16', torch.cuda.is_bf16_supported(),"
+        " torch.cuda.is_bf16_supported(including_emulation=False))\n"
+    ) + LINEAR
+    _trace(tmp_path, text, capability=(7, 5))  # a T4: emulated only
+    _trace(tmp_path, text, capability=A100)
+    printed = [line for line in capsys.readouterr().err.splitlines() if line.startswith("BF16")]
+    assert printed == ["BF16 True False", "BF16 True True"]

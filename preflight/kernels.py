@@ -223,12 +223,13 @@ def cuda_functionals(tracker: PhaseTracker) -> Iterator[None]:
                 except Exception:
                     continue
                 if bound:
-                    stack.enter_context(_patch(mod, name, value))
+                    stack.enter_context(patched(mod, name, value))
         yield
 
 
 @contextlib.contextmanager
-def _patch(target: Any, name: str, value: Any) -> Iterator[None]:
+def patched(target: Any, name: str, value: Any) -> Iterator[None]:
+    """``target.name`` is ``value`` inside, and what it was before after."""
     before = getattr(target, name)
     setattr(target, name, value)
     try:

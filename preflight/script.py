@@ -71,6 +71,7 @@ from oomcast.preflight.allocconf import AllocConf
 from oomcast.preflight.capture import foreach_like_cuda
 from oomcast.preflight.gpus import CONTEXT_ALLOWANCE_BYTES, DEFAULT_CAPABILITY
 from oomcast.preflight.kernels import CudaKernels, cuda_functionals
+from oomcast.preflight.kernels import patched as _patched
 from oomcast.preflight.remedies import Remedy, largest_fitting, peak_of
 from oomcast.preflight.replay import Replay
 from oomcast.preflight.report import PreflightReport
@@ -851,16 +852,6 @@ class _FakeProps:
 
     def __repr__(self) -> str:
         return f"_CudaDeviceProperties(name='{self.name}', total_memory={self.total_memory})"
-
-
-@contextlib.contextmanager
-def _patched(target: Any, name: str, value: Any) -> Iterator[None]:
-    before = getattr(target, name)
-    setattr(target, name, value)
-    try:
-        yield
-    finally:
-        setattr(target, name, before)
 
 
 def _rng_state() -> torch.Tensor:

@@ -57,13 +57,10 @@ COMMAND_EXTRAS = {"preflight": "preflight"}
 def missing_extra(module: str, command: str | None = None) -> str | None:
     """The extra that installs ``module`` (a dotted name is judged by its top level; one of
     oomcast's own parts, by the part), for ``command`` where it has an extra of its own."""
-    found = None
-    for part, extra in PARTS.items():
-        if module == part or module.startswith(part + "."):
-            found = extra
-            break
-    else:
-        found = EXTRAS.get(module.partition(".")[0])
+    parts = (
+        extra for part, extra in PARTS.items() if module == part or module.startswith(part + ".")
+    )
+    found = next(parts, None) or EXTRAS.get(module.partition(".")[0])
     if found == "train" and command in COMMAND_EXTRAS:
         return COMMAND_EXTRAS[command]
     return found

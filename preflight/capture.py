@@ -244,10 +244,7 @@ def capture_job(
     dev = torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")
     tracker = PhaseTracker(kind, listener)
     if kernels is not None and target == "cuda":
-        # on fake CUDA tensors (a CUDA build) the kernels' own fakes allocate as CUDA's do,
-        # but cuBLAS's workspaces are nobody's operator output: those still are added
-        kernels.functionals = kind == "cpu"
-        tracker.kernels = kernels
+        tracker.kernels = kernels  # attention and dropout only where kind is cpu
     result = JobCapture(job=job.name, batch_size=size, device=kind, fake=fake)
     try:
         with (

@@ -73,9 +73,6 @@ class CudaKernels:
 
     capability: tuple[int, int] = (8, 0)
     seen: Counter[str] = field(default_factory=Counter)
-    # attention and dropout too (False: cuBLAS's workspaces only, where the capture runs
-    # on fake CUDA tensors, whose own kernels already allocate as CUDA's do)
-    functionals: bool = True
 
     @property
     def blas_workspace_bytes(self) -> int:
@@ -178,10 +175,13 @@ def cuda_functionals(tracker: PhaseTracker) -> Iterator[None]:
     run is over (the tracker's ``kernels`` is then None)."""
     functional = torch.nn.functional
     sdpa, dropout = functional.scaled_dot_product_attention, functional.dropout
+    # only where CPU tensors stand for the GPU: on fake CUDA tensors (a CUDA build) the
+    # kernels' own fakes already allocate as CUDA's do (cuBLAS's workspaces are still added)
+    emulate = tracker.device_type == "cpu"
 
     def attention(query: Any, *args: Any, **kwargs: Any) -> Any:
         k = tracker.kernels
-        if k is None or not k.functionals:
+        if k is None or not emulate:
             return sdpa(query, *args, **kwargs)
         if not isinstance(query, torch.Tensor) or not tracker.is_device(query):
             return sdpa(query, *args, **kwargs)
@@ -204,7 +204,7 @@ def cuda_functionals(tracker: PhaseTracker) -> Iterator[None]:
         input: Any, p: float = 0.5, training: bool = True, inplace: bool = False
     ) -> Any:
         k = tracker.kernels
-        if k is None or not k.functionals:
+        if k is None or not emulate:
             return dropout(input, p, training, inplace)
         if not isinstance(input, torch.Tensor) or not tracker.is_device(input):
             return dropout(input, p, training, inplace)

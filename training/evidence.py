@@ -1,12 +1,13 @@
-"""What any level-reading forecaster could have seen 30 s before each long OOM: the ceiling
-under the recall goal, measured on the traces themselves.
+"""What the growth tracker saw 30 s before each long OOM: the ceiling under the recall goal
+for a forecaster that waits for growth, measured on the traces themselves.
 
 For every OOM the scoring calls long (``training/classes.py``: 60 s or more after the
 run's first sample, not a one-step cause), the embedding's growth tracker
 (``log1p_growth_age_s``) is read at the last tick 30 s or more before the OOM: whether the
 level had grown beyond noise by then, and whether for the 30 s the evidence gate asks for
-(``model/network.py``). An OOM with neither had nothing in the level to warn on 30 s
-ahead, whatever the model.
+(``model/network.py``). An OOM with neither gave the tracker nothing to warn on 30 s
+ahead. Other signals can still warn it: the peaks of evaluations, phase forecasts, the
+brink override at 98% (``docs/model-card.md`` counts them).
 
     python -m oomcast.training.evidence training/traces/jobs --split test
 """

@@ -1,19 +1,21 @@
 """Leak twins of near misses: what any forecaster must do on a near miss if it is to warn
 every leak 30 s ahead.
 
-A near miss climbs, then stops short of its limit. Take the moment of its climb where its
-pace (over the last 30 s and the last 10 s, the slower), kept up, reaches the limit in
-under 30 s, and let a *twin* go on at that pace
-until it OOMs: a leak by the forecaster issue's own words ("a climb that keeps its pace to
-the limit is a leak, however early"). The twin's memory equals the near miss's up to that
-moment (the *fork*), and the latest alert that warns the twin 30 s ahead (its *deadline*)
-comes at or before the fork. So every detector that reads the stream, whatever it is, sees
-the same samples until the deadline and alerts on both or on neither: it warns the twin in
-time only by warning the near miss.
+A near miss climbs, then stops short of its limit. Take the first moment of its climb where
+its pace (the slower of its last 10 s and its 30 s fit), kept up, reaches the limit in under
+30 s, and let a *twin* go on from there in a straight line at that pace until it OOMs: a
+leak by the forecaster issue's own words ("a climb that keeps its pace to the limit is a
+leak, however early"). The twin's domain records the same samples and events as the near
+miss's up to that moment (the *fork*), and the latest alert that warns the twin 30 s ahead
+(its *deadline*) comes at or before the fork. So every detector that reads the domain's
+stream, whatever it is, sees the same records until the deadline and alerts on both or on
+neither: it warns the twin in time only by alerting on the near miss.
 
-A twin counts only where the evidence gate (``model/network.py``) would let a forecaster
-warn it: at the deadline the level had grown beyond noise for the gate's 30 s, and the twin
-OOMs 60 s or more into its run (a *long* OOM, ``training/classes.py``).
+A twin counts only where a forecaster that waits for the evidence gate's growth
+(``model/network.py``) could warn it: at the deadline the level had grown beyond noise for
+the gate's 30 s (so the twin OOMs 60 s or more into its run: a *long* OOM,
+``training/classes.py``). Only traces without an OOM on any domain are read, so the near
+miss is scored as one (``oomcast evaluate`` scores a trace with an OOM by that OOM).
 
     python -m oomcast.training.twins training/traces/jobs --split test --out data/twins/test
     oomcast evaluate --traces data/twins/test --min-lead 30
@@ -33,17 +35,16 @@ from pathlib import Path
 
 import numpy as np
 
-from oomcast.model.embedding import FEATURES, level_frac
+from oomcast.model.embedding import FEATURES, level_frac, tick_rows
 from oomcast.model.network import GATE_GROWTH_S
 from oomcast.model.schema import Event, Record, Sample
 from oomcast.model.trace import Trace, load_trace, write_trace
-from oomcast.training.classes import LONG_AFTER_S, NEAR_LEVEL
-from oomcast.training.dataset import Sequence, sequences_of_trace
+from oomcast.training.classes import NEAR_LEVEL
+from oomcast.training.dataset import TICK_S, Sequence, sequences_of_trace
 from oomcast.training.evidence import _paths
 
 LEAD_S = 30.0  # the lead the recall goal asks for
 _LEVEL = FEATURES.index("level_frac")
-_AGE = FEATURES.index("log1p_age_s")
 _GROWTH = FEATURES.index("log1p_growth_age_s")
 _PACE = FEATURES.index("slope_30s_pct_per_s")
 _PACE_10S = FEATURES.index("slope_10s_pct_per_s")
@@ -69,15 +70,15 @@ class Fork:
         return self.oom_after_s - LEAD_S
 
 
-def find_fork(seq: Sequence) -> Fork | None:
-    """The first tick of a near miss whose twin is a long leak that the gate lets a
-    forecaster warn 30 s ahead only by alerting inside the shared past; None where no tick
-    has one (the climb was never fast enough that near the limit, or not long enough)."""
+def find_fork(seq: Sequence, tick_s: np.ndarray) -> Fork | None:
+    """The first tick of a near miss whose twin is a long leak with the gate's growth behind
+    its deadline, and whose deadline lies at or before the tick; None where no tick has one
+    (the climb was never fast enough that near the limit, or not long enough).
+    ``tick_s``: each row's time, in seconds after the domain's first sample."""
     if seq.ooms or seq.max_level < NEAR_LEVEL:
         return None
-    age = np.expm1(seq.x[:, _AGE].astype(np.float64))
     growth = np.expm1(seq.x[:, _GROWTH].astype(np.float64))
-    for i in range(len(age)):
+    for i in range(len(tick_s)):
         # the slower of the last 10 s and the 30 s fit: a climb that has already
         # stopped is not one that keeps its pace, whatever its 30 s fit still holds
         pace = float(min(seq.x[i, _PACE], seq.x[i, _PACE_10S]))
@@ -85,71 +86,72 @@ def find_fork(seq: Sequence) -> Fork | None:
         if pace <= 0.0 or growth[i] <= 0.0 or level >= 1.0:
             continue
         left_s = (1.0 - level) * 100.0 / pace
-        if left_s > LEAD_S or age[i] + left_s < LONG_AFTER_S:
+        if left_s > LEAD_S:  # (the gate's growth below also makes the twin long)
             continue
-        deadline = age[i] + left_s - LEAD_S  # at or before this tick
-        j = int(np.searchsorted(age, deadline, side="right")) - 1
+        deadline = tick_s[i] + left_s - LEAD_S  # at or before this tick
+        j = int(np.searchsorted(tick_s, deadline, side="right")) - 1
         if j < 0 or growth[j] < GATE_GROWTH_S - 1e-6:
             continue
-        return Fork(float(age[i]), level, pace, float(growth[j]))
+        return Fork(float(tick_s[i]), level, pace, float(growth[j]))
     return None
 
 
 def twin_records(trace: Trace, domain: tuple[str, str], fork: Fork) -> list[Record]:
     """The trace with ``domain`` turned into its leak twin: every sample up to the fork as
-    recorded; after it the level is lifted onto the fork's line wherever the recording fell
-    below it (the same bytes added to use, allocated, reserved and peak), until it reaches
-    the limit, where the twin OOMs. The domain's normal exit is dropped; other domains and
-    events are kept."""
-    samples = trace.samples[domain]
+    recorded; after it, the fork's sample again at the recording's own interval, lifted onto
+    the fork's line, until it reaches the limit, where the twin OOMs. What the domain
+    recorded after the fork (the plateau, a job's teardown, its normal exit) is left out;
+    its other events, and other domains, are kept."""
+    exit_ts = trace.exit_ts(domain)
+    samples = [s for s in trace.samples[domain] if exit_ts is None or s.ts <= exit_ts]
     first = samples[0].ts
     fork_ts = first + fork.fork_s
-    out: list[Sample] = []
-    oom_ts: float | None = None
-    # past the end of the recording (a run that exited mid-climb), the last sample is
-    # repeated at the recording's own interval, lifted onto the line
+    shared = [s for s in samples if s.ts <= fork_ts]
     step = float(np.median(np.diff([s.ts for s in samples]))) if len(samples) > 1 else 1.0
-    limit_s = fork.oom_after_s + 60.0
-    extra = (
-        replace(samples[-1], ts=samples[-1].ts + k * step)
-        for k in range(1, int(limit_s / step) + 2)
-    )
-    for s in (*samples, *extra):
-        if s.ts <= fork_ts:
-            out.append(s)
-            continue
-        line = fork.level + fork.pace_pct_per_s / 100.0 * (s.ts - fork_ts)
-        lift = max(0, math.ceil((line - level_frac(s)) * s.total_bytes))
-        twin = _lifted(s, lift)
-        if level_frac(twin) >= 1.0 or twin.used_bytes >= twin.total_bytes:
-            out.append(_lifted(s, min(lift, s.total_bytes - s.used_bytes)))
-            oom_ts = s.ts
-            break
+    out: list[Sample] = list(shared)
+    base = shared[-1]
+    oom_ts: float | None = None
+    for k in range(1, int((fork.oom_after_s - fork.fork_s + 60.0) / step) + 2):
+        ts = base.ts + k * step
+        line = fork.level + fork.pace_pct_per_s / 100.0 * (ts - fork_ts)
+        lift = max(0, math.ceil((line - level_frac(base)) * base.total_bytes))
+        twin = _lifted(replace(base, ts=ts), lift)
         out.append(twin)
-        if s.ts - first > limit_s:
+        if _full(twin):
+            oom_ts = ts
             break
     if oom_ts is None:  # a line with a positive pace reaches the limit: only bad input
         raise ValueError(f"{trace.path}: the twin of {domain[1]} does not reach its limit")
-    job = samples[-1].job
     records: list[Record] = list(out)
     for d, ss in trace.samples.items():
         if d != domain:
             records.extend(ss)
-    records.extend(e for e in trace.events if e.domain != domain)
-    records.append(Event(ts=oom_ts, node=domain[0], device=domain[1], event="oom", job=job))
+    records.extend(e for e in trace.events if e.domain != domain or e.ts <= fork_ts)
+    records.append(Event(ts=oom_ts, node=domain[0], device=domain[1], event="oom", job=base.job))
     records.sort(key=lambda r: (r.ts, isinstance(r, Event)))
     return records
 
 
+def _full(s: Sample) -> bool:
+    """Where the twin OOMs: a cgroup when its anonymous level (``level_frac``: page cache
+    is reclaimed first) reaches the limit; a GPU when its level or use does."""
+    if s.kind == "host" and s.allocated_bytes is not None:
+        return level_frac(s) >= 1.0
+    return level_frac(s) >= 1.0 or s.used_bytes >= s.total_bytes
+
+
 def _lifted(s: Sample, lift: int) -> Sample:
+    """``lift`` more bytes in use: allocated and reserved grow by it, use and peak too, up
+    to the capacity (a cgroup's use counts page cache that would be reclaimed)."""
     if lift <= 0:
         return s
+    total = s.total_bytes
     return replace(
         s,
-        used_bytes=s.used_bytes + lift,
+        used_bytes=min(total, s.used_bytes + lift),
         allocated_bytes=None if s.allocated_bytes is None else s.allocated_bytes + lift,
-        reserved_bytes=None if s.reserved_bytes is None else s.reserved_bytes + lift,
-        peak_bytes=None if s.peak_bytes is None else s.peak_bytes + lift,
+        reserved_bytes=None if s.reserved_bytes is None else min(total, s.reserved_bytes + lift),
+        peak_bytes=None if s.peak_bytes is None else min(total, s.peak_bytes + lift),
     )
 
 
@@ -162,24 +164,31 @@ class NearMiss:
 
 
 def near_misses(paths: list[Path]) -> list[tuple[NearMiss, Trace]]:
+    """Every domain that came within 10% of its limit, in the traces of ``paths`` without
+    an OOM, with its fork (None: it has no twin)."""
     out = []
     for path in paths:
         trace = load_trace(path)
+        if trace.ooms:
+            continue
         for domain, samples in trace.samples.items():
-            if trace.oom_ts(domain) is not None:
+            events = [e for e in trace.events if e.domain == domain]
+            alone = Trace(trace.path, {domain: samples}, events)
+            seqs = sequences_of_trace(alone, path.name)
+            if not seqs or seqs[0].max_level < NEAR_LEVEL:
                 continue
-            alone = Trace(
-                trace.path, {domain: samples}, [e for e in trace.events if e.domain == domain]
-            )
-            for seq in sequences_of_trace(alone, path.name):
-                if seq.max_level >= NEAR_LEVEL:
-                    out.append((NearMiss(path, domain, seq.max_level, find_fork(seq)), trace))
+            # each row's time, as sequences_of_trace picks its rows
+            exit_ts = alone.exit_ts(domain)
+            kept = [s.ts for s in samples if exit_ts is None or s.ts <= exit_ts]
+            tick_s = np.asarray([kept[i] - kept[0] for i in tick_rows(kept, TICK_S)])
+            fork = find_fork(seqs[0], tick_s)
+            out.append((NearMiss(path, domain, seqs[0].max_level, fork), trace))
     return out
 
 
 def write_twins(found: list[tuple[NearMiss, Trace]], out: Path) -> list[dict[str, object]]:
     """Write the twins of ``found`` under ``out`` with a manifest (cause ``leak_twin``);
-    returns the manifest's entries."""
+    returns the manifest's entries, with the OOM each twin was written with."""
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*-twin.jsonl.gz"):  # an earlier run's, which may not fork now
         stale.unlink()
@@ -189,10 +198,13 @@ def write_twins(found: list[tuple[NearMiss, Trace]], out: Path) -> list[dict[str
             continue
         name = nm.source.name.removesuffix(".gz").removesuffix(".jsonl")
         file = f"{name}-twin.jsonl.gz"
-        write_trace(out / file, twin_records(trace, nm.domain, nm.fork))
+        records = twin_records(trace, nm.domain, nm.fork)
+        write_trace(out / file, records)
+        oom = next(r for r in records if isinstance(r, Event) and r.event == "oom")
+        first = trace.samples[nm.domain][0].ts
         entries.append({
             "file": file, "cause": "leak_twin", "source": nm.source.name,
-            "fork_s": round(nm.fork.fork_s, 1), "oom_after_s": round(nm.fork.oom_after_s, 1),
+            "fork_s": round(nm.fork.fork_s, 1), "oom_after_s": round(oom.ts - first, 1),
         })  # fmt: skip
     (out / "manifest.json").write_text(json.dumps({"runs": entries}, indent=1) + "\n")
     return entries
@@ -213,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         f = nm.fork
         if f is None:
             print(
-                f"none {nm.source.name:44s} peak {nm.peak:.3f}: no tick whose pace"
-                f" reaches the limit within {LEAD_S:g} s with the gate open"
+                f"none {nm.source.name:44s} peak {nm.peak:.3f}: no tick whose pace reaches"
+                f" the limit within {LEAD_S:g} s with the gate's growth behind the deadline"
             )
             continue
         print(
@@ -225,9 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     forked = sum(nm.fork is not None for nm, _ in found)
     print(
-        f"near misses {len(found)}: a warnable leak twin shares the past of {forked} up to"
-        f" its deadline; a detector that warns every such leak {LEAD_S:g} s ahead warns"
-        f" at least {forked} of them"
+        f"runs within {100 * (1 - NEAR_LEVEL):g}% of their limit without an OOM {len(found)}:"
+        f" {forked} share their past with a warnable leak up to its deadline (a detector"
+        f" that warns every such leak {LEAD_S:g} s ahead alerts on each of them)"
     )
     if args.out is not None:
         entries = write_twins(found, args.out)

@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import T0, sample
+from support import GIB, T0, sample
 
 from oomcast.model.baselines import baseline_detectors
+from oomcast.model.embedding import level_frac
+from oomcast.model.events import ScheduleEvent
 from oomcast.model.schema import Event, Record, Sample
 from oomcast.model.trace import Trace, load_trace, write_trace
 from oomcast.training.evaluate import Causes, evaluate
@@ -78,6 +80,7 @@ def test_a_straight_climb_that_stops_has_a_twin_that_ooms_on_time(tmp_path: Path
     # the past up to the fork is the near miss's, sample for sample
     shared = [r for r in trace.records() if r.ts <= T0 + fork.fork_s]
     assert twin[: len(shared)] == shared
+    assert shared[-1].ts == pytest.approx(T0 + fork.fork_s)  # the fork is a sample's time
     after = [r for r in twin if isinstance(r, Sample) and r.ts > T0 + fork.fork_s]
     assert after and all(b.used_frac >= a.used_frac for a, b in itertools.pairwise(after))
 
@@ -86,6 +89,53 @@ def test_a_climb_that_slows_into_its_plateau_has_no_twin(tmp_path: Path) -> None
     nm, _ = _near_miss(tmp_path, "slow.jsonl", slowing())
     assert nm.peak >= 0.9
     assert nm.fork is None
+
+
+def test_a_cgroup_twin_ooms_when_its_anonymous_memory_reaches_the_limit(tmp_path: Path) -> None:
+    # a container: page cache on top of the anonymous memory, and a peak just above use
+    total = 4 * GIB
+    records: list[Record] = []
+    for i in range(600):
+        anon = min(0.40 + 0.005 * max(0.0, i - GROWTH_START_S), 0.93)
+        anon += 0.002 * math.sin(i * 1.7)
+        used = min(anon + 0.05, 0.99)
+        records.append(Sample(
+            ts=T0 + i, node="n1", device="cgroup:/job", kind="host", total_bytes=total,
+            used_bytes=int(used * total), allocated_bytes=int(anon * total),
+            peak_bytes=int((used + 0.003) * total), job="c",
+        ))  # fmt: skip
+    records.append(Event(ts=T0 + 600, node="n1", device="cgroup:/job", event="exit", job="c"))
+    nm, trace = _near_miss(tmp_path, "cgroup.jsonl", records)
+    assert nm.fork is not None
+    twin = twin_records(trace, nm.domain, nm.fork)
+    oom = next(r for r in twin if isinstance(r, Event) and r.event == "oom")
+    # at the line's time, not when use (page cache included) fills the container first
+    assert oom.ts - T0 == pytest.approx(nm.fork.oom_after_s, abs=1.0)
+    samples = [r for r in twin if isinstance(r, Sample)]
+    assert level_frac(samples[-1]) >= 1.0
+    assert all(s.used_bytes <= total and (s.peak_bytes or 0) <= total for s in samples)
+
+
+def test_the_domain_keeps_its_other_events_and_the_trace_its_other_domains(
+    tmp_path: Path,
+) -> None:
+    records = climb_then_stop(0.5, 0.93)
+    schedule = ScheduleEvent(T0 + 5, "n1", "gpu0", "schedule", "nm", eval_every_steps=100,
+                             phase_extra_bytes={"eval": GIB})  # fmt: skip
+    other = [sample(T0 + i, 0.3, device="gpu1", job="other") for i in range(600)]
+    nm, trace = _near_miss(tmp_path, "two.jsonl", [*records, schedule, *other])
+    assert nm.fork is not None and nm.domain == ("n1", "gpu0")
+    twin = twin_records(trace, nm.domain, nm.fork)
+    assert schedule in twin
+    assert [r for r in twin if isinstance(r, Sample) and r.device == "gpu1"] == other
+
+
+def test_a_trace_with_an_oom_on_another_domain_has_no_near_miss(tmp_path: Path) -> None:
+    oom = Event(T0 + 300, "n1", "gpu1", "oom", "other")
+    other = [sample(T0 + i, 0.3, device="gpu1", job="other") for i in range(300)]
+    path = tmp_path / "mixed.jsonl"
+    write_trace(path, [*climb_then_stop(0.5, 0.93), *other, oom])
+    assert near_misses([path]) == []
 
 
 def test_no_twin_where_the_gate_would_not_let_any_forecaster_warn(tmp_path: Path) -> None:
@@ -97,12 +147,20 @@ def test_no_twin_where_the_gate_would_not_let_any_forecaster_warn(tmp_path: Path
 
 def test_a_run_that_exits_mid_climb_gets_a_twin_past_its_recording(tmp_path: Path) -> None:
     records = climb_then_stop(0.5, 0.999, seconds=120 + 108)  # exits at 94%, still climbing
-    nm, trace = _near_miss(tmp_path, "cut.jsonl", records)
+    exit_ev = records.pop()
+    # the job's teardown, recorded with its exit: memory freed, the peak kept
+    teardown = sample(exit_ev.ts, 0.31, job="nm", peak_bytes=int(0.948 * 80 * GIB))
+    nm, trace = _near_miss(tmp_path, "cut.jsonl", [*records, teardown, exit_ev])
     assert nm.fork is not None
     twin = twin_records(trace, nm.domain, nm.fork)
     oom = next(r for r in twin if isinstance(r, Event) and r.event == "oom")
-    assert oom.ts > records[-1].ts
+    assert oom.ts > exit_ev.ts
     assert oom.ts - T0 == pytest.approx(nm.fork.oom_after_s, abs=1.0)
+    after = [r for r in twin if isinstance(r, Sample) and r.ts > T0 + nm.fork.fork_s]
+    levels = [level_frac(s) for s in after]
+    assert levels == sorted(levels) and levels[-1] < 1.01  # no teardown, nothing past full
+    used = [s.used_frac for s in after]
+    assert used == sorted(used)
 
 
 def test_every_detector_alerts_on_a_twin_before_its_deadline_as_on_its_near_miss(
@@ -116,7 +174,7 @@ def test_every_detector_alerts_on_a_twin_before_its_deadline_as_on_its_near_miss
     out = tmp_path / "twins"
     assert main([str(src), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "near misses 3: a warnable leak twin shares the past of 2" in printed
+    assert "without an OOM 3: 2 share their past with a warnable leak" in printed
     manifest = json.loads((out / "manifest.json").read_text())
     assert [e["source"] for e in manifest["runs"]] == ["a.jsonl", "b.jsonl"]
     twins = sorted(out.glob("*.jsonl.gz"))

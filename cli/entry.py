@@ -20,8 +20,9 @@ def main() -> int:
             f"{PROG}: error: the command needs {exc.name}, which the base install leaves out"
             " (it is the in-job hook's). Install it with an extra: pip install"
             " 'oomcast[collector]' (the node agent), 'oomcast[service]' (the service),"
-            " 'oomcast[preflight]' (checking a job before launch) or 'oomcast[demo]' (the"
-            " service, the agent and the demo)",
+            " 'oomcast[preflight]' (checking a job before launch), 'oomcast[train]' (training,"
+            " scoring and refitting models) or 'oomcast[demo]' (the service, the agent and the"
+            " demo)",
             file=sys.stderr,
         )
         return 2

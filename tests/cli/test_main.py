@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
-from importlib.metadata import version
+import tomllib
+from importlib.metadata import packages_distributions, version
+from pathlib import Path
 
 import pytest
 from support import oomcast_cmd
@@ -90,6 +93,50 @@ def test_a_missing_extra_is_named_not_a_traceback(
     assert f"needs {module}" in out.stderr and f"pip install 'oomcast[{extra}]'" in out.stderr
 
 
+def _extra_distributions(extra: str) -> set[str]:
+    """The distributions ``pip install 'oomcast[extra]'`` brings, as pyproject.toml lists
+    them (an extra that names other extras of oomcast's brings theirs too)."""
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    out: set[str] = set()
+    for req in extras[extra]:
+        name = re.split(r"[\[<>=!~; ]", req, maxsplit=1)[0]
+        if name == "oomcast":
+            for inner in req.partition("[")[2].partition("]")[0].split(","):
+                out |= _extra_distributions(inner.strip())
+        else:
+            out.add(name.lower().replace("_", "-"))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("extra", "argv"),
+    [
+        ("train", ("train", "--help")),
+        ("train", ("evaluate", "--help")),
+        ("train", ("recalibrate", "--help")),
+        ("train", ("simulate", "--n", "2", "--seed", "0", "--workers", "1", "--out", "SIM")),
+        ("preflight", ("preflight", "--help")),
+    ],
+)
+def test_an_install_with_one_extra_runs_the_commands_it_is_for(
+    extra: str, argv: tuple[str, ...], tmp_path: Path
+) -> None:
+    """`pip install 'oomcast[train]'` (what docs/recalibrate.md says to install) and then
+    `oomcast recalibrate` said the command needs pydantic, from another extra. Every module
+    an extra does not bring is blocked here, as on such an install."""
+    brings = _extra_distributions(extra)
+    dists = packages_distributions()
+    blocked = {
+        m
+        for m in EXTRAS
+        if not any(d.lower().replace("_", "-") in brings for d in dists.get(m, []))
+    }
+    assert "pydantic" not in blocked and "fastapi" in blocked  # the check has teeth
+    out = run_without(blocked, *(str(tmp_path / a) if a == "SIM" else a for a in argv))
+    assert out.returncode == 0, out.stderr
+
+
 def test_the_collector_image_runs_the_agent_command() -> None:
     """The collector image installs only the core and the collector extra: every other
     extra's modules blocked, `oomcast collect --help` must still work."""
@@ -133,6 +180,7 @@ def test_a_base_install_without_an_extra_says_which_to_install() -> None:
     assert done.returncode == 2, done.stderr
     assert "needs pydantic" in done.stderr and "pip install 'oomcast[collector]'" in done.stderr
     assert "'oomcast[preflight]' (checking a job before launch)" in done.stderr
+    assert "'oomcast[train]' (training, scoring and refitting models)" in done.stderr
     assert "Traceback" not in done.stderr
     ok = subprocess.run(
         [sys.executable, "-m", "oomcast.cli", "--version"],

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,12 +70,33 @@ def evidence(paths: list[Path], view: str = "full") -> list[Evidence]:
 
 
 def _paths(folder: Path, split: str | None) -> list[Path]:
+    """The traces of ``folder`` (of its manifest's ``split``, where one is named). A folder
+    that is missing, has no traces, or lacks the manifest a split needs is a ValueError
+    that says so."""
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: not a folder of traces")
     if split is None:
-        return find_traces(folder)
-    manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
-    runs = manifest["runs"]
-    entries = runs.values() if isinstance(runs, dict) else runs
-    return sorted(folder / r["file"] for r in entries if r.get("split") == split)
+        found = find_traces(folder)
+    else:
+        manifest = folder / "manifest.json"
+        if not manifest.is_file():
+            raise ValueError(f"--split {split}: {folder} has no manifest.json naming splits")
+        runs = json.loads(manifest.read_text(encoding="utf-8")).get("runs", [])
+        entries = runs.values() if isinstance(runs, dict) else runs
+        found = sorted(folder / r["file"] for r in entries if r.get("split") == split)
+    if not found:
+        raise ValueError(f"{folder}: no traces in it" + (f" of split {split}" if split else ""))
+    return found
+
+
+def run_cli(prog: str, body: Callable[[], int]) -> int:
+    """``body`` with bad input (a missing folder, a malformed trace) said in one line on
+    stderr, exit status 2, instead of a traceback."""
+    try:
+        return body()
+    except (OSError, ValueError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", choices=("train", "val", "test"))
     p.add_argument("--view", choices=("full", "1hz", "nvml"), default="full")
     args = p.parse_args(argv)
+    return run_cli(p.prog, lambda: _report(args))
+
+
+def _report(args: argparse.Namespace) -> int:
     found = evidence(_paths(args.folder, args.split), args.view)
     for e in found:
         mark = "gate" if e.gated else "seen" if e.visible else "NONE"

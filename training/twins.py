@@ -2,20 +2,22 @@
 every leak 30 s ahead.
 
 A near miss climbs, then stops short of its limit. Take the first moment of its climb where
-its pace (the slower of its last 10 s and its 30 s fit), kept up, reaches the limit in under
-30 s, and let a *twin* go on from there in a straight line at that pace until it OOMs: a
-leak by the forecaster issue's own words ("a climb that keeps its pace to the limit is a
-leak, however early"). The twin's domain records the same samples and events as the near
-miss's up to that moment (the *fork*), and the latest alert that warns the twin 30 s ahead
-(its *deadline*) comes at or before the fork. So every detector that reads the domain's
-stream, whatever it is, sees the same records until the deadline and alerts on both or on
-neither: it warns the twin in time only by alerting on the near miss.
+it still keeps its pace (its last 10 s at least half as fast as its 30 s fit) and that pace
+(the slower of the two), kept up, reaches the limit in under 30 s, and let a *twin* go on
+from there in a straight line at that pace until it OOMs: a leak by the forecaster issue's
+own words ("a climb that keeps its pace to the limit is a leak, however early"). The twin's
+domain records the same samples and events as the near miss's up to that moment (the
+*fork*), and the latest alert that warns the twin 30 s ahead (its *deadline*) comes at or
+before the fork. So every detector that reads the domain's stream, whatever it is, sees the
+same records until the deadline and alerts on both or on neither: it warns the twin in time
+only by alerting on the near miss.
 
-A twin counts only where a forecaster that waits for the evidence gate's growth
-(``model/network.py``) could warn it: at the deadline the level had grown beyond noise for
-the gate's 30 s (so the twin OOMs 60 s or more into its run: a *long* OOM,
-``training/classes.py``). Only traces without an OOM on any domain are read, so the near
-miss is scored as one (``oomcast evaluate`` scores a trace with an OOM by that OOM).
+A twin counts only where a forecaster that waits for the evidence gate's 30 s of growth
+(``model/network.py``) could warn it: at the deadline the level had been growing for 30 s,
+by the growth tracker's measure and by how long the climb had lasted (so the twin OOMs 60 s
+or more into its run: a *long* OOM, ``training/classes.py``). Only traces without an OOM on
+any domain are read, so the near miss is scored as one (``oomcast evaluate`` scores a trace
+with an OOM by that OOM).
 
     python -m oomcast.training.twins training/traces/jobs --split test --out data/twins/test
     oomcast evaluate --traces data/twins/test --min-lead 30
@@ -41,9 +43,12 @@ from oomcast.model.schema import Event, Record, Sample
 from oomcast.model.trace import Trace, load_trace, write_trace
 from oomcast.training.classes import NEAR_LEVEL
 from oomcast.training.dataset import TICK_S, Sequence, sequences_of_trace
-from oomcast.training.evidence import _paths
+from oomcast.training.evidence import _paths, run_cli
 
 LEAD_S = 30.0  # the lead the recall goal asks for
+RISE_OVER_S = 10.0  # a tick is in a climb when it stands above the level this long before
+RISE_EPS = 0.002  # by more than this (a fifth of a percent of the limit)
+KEEPS_PACE = 0.5  # a climb whose last 10 s are slower than this share of its 30 s is stopping
 _LEVEL = FEATURES.index("level_frac")
 _GROWTH = FEATURES.index("log1p_growth_age_s")
 _PACE = FEATURES.index("slope_30s_pct_per_s")
@@ -58,7 +63,8 @@ class Fork:
     fork_s: float
     level: float  # the level at the fork, a fraction of the limit
     pace_pct_per_s: float  # the pace the twin keeps (its 10 s or 30 s pace, the slower)
-    growth_at_deadline_s: float  # growth beyond noise at the twin's deadline
+    growth_at_deadline_s: float  # the growth tracker's growth age at the twin's deadline
+    climb_at_deadline_s: float  # how long the level had been climbing then
 
     @property
     def oom_after_s(self) -> float:
@@ -71,29 +77,55 @@ class Fork:
 
 
 def find_fork(seq: Sequence, tick_s: np.ndarray) -> Fork | None:
-    """The first tick of a near miss whose twin is a long leak with the gate's growth behind
+    """The first tick of a near miss whose twin is a long leak with 30 s of growth behind
     its deadline, and whose deadline lies at or before the tick; None where no tick has one
     (the climb was never fast enough that near the limit, or not long enough).
-    ``tick_s``: each row's time, in seconds after the domain's first sample."""
+    ``tick_s``: each row's time, in seconds after the domain's first sample.
+
+    Growth is held to two measures, and must last the gate's 30 s by both: the growth
+    tracker's (``log1p_growth_age_s``, what the shipped gate reads: the widest window whose
+    slope is beyond noise, which can run ahead of the climb) and how long every tick has
+    stood above the level 10 s before it (how long the climb has lasted)."""
     if seq.ooms or seq.max_level < NEAR_LEVEL:
         return None
     growth = np.expm1(seq.x[:, _GROWTH].astype(np.float64))
+    levels = seq.x[:, _LEVEL].astype(np.float64)
     for i in range(len(tick_s)):
-        # the slower of the last 10 s and the 30 s fit: a climb that has already
-        # stopped is not one that keeps its pace, whatever its 30 s fit still holds
-        pace = float(min(seq.x[i, _PACE], seq.x[i, _PACE_10S]))
-        level = float(seq.x[i, _LEVEL])
+        # a climb that keeps its pace: the last 10 s at least half as fast as the 30 s
+        # fit (one that is stopping is not, whatever its 30 s fit still holds), and the
+        # twin goes on at the slower of the two
+        pace_30s, pace_10s = float(seq.x[i, _PACE]), float(seq.x[i, _PACE_10S])
+        if pace_10s < KEEPS_PACE * pace_30s:
+            continue
+        pace = min(pace_30s, pace_10s)
+        level = float(levels[i])
         if pace <= 0.0 or growth[i] <= 0.0 or level >= 1.0:
             continue
         left_s = (1.0 - level) * 100.0 / pace
-        if left_s > LEAD_S:  # (the gate's growth below also makes the twin long)
+        if left_s > LEAD_S:  # (the growth asked for below also makes the twin long)
             continue
         deadline = tick_s[i] + left_s - LEAD_S  # at or before this tick
         j = int(np.searchsorted(tick_s, deadline, side="right")) - 1
         if j < 0 or growth[j] < GATE_GROWTH_S - 1e-6:
             continue
-        return Fork(float(tick_s[i]), level, pace, float(growth[j]))
+        climb = _climb_s(levels, tick_s, j)
+        if climb < GATE_GROWTH_S - 1e-6:
+            continue
+        return Fork(float(tick_s[i]), level, pace, float(growth[j]), climb)
     return None
+
+
+def _climb_s(levels: np.ndarray, tick_s: np.ndarray, j: int) -> float:
+    """How long the level had been climbing at tick ``j``: back from it, every tick stands
+    more than ``RISE_EPS`` above the level ``RISE_OVER_S`` before it; the climb is counted
+    from the earliest such tick."""
+    start = float(tick_s[j])
+    for m in range(j, -1, -1):
+        k = int(np.searchsorted(tick_s, tick_s[m] - RISE_OVER_S, side="right")) - 1
+        if k < 0 or levels[m] - levels[k] <= RISE_EPS:
+            break
+        start = float(tick_s[m])
+    return float(tick_s[j]) - start
 
 
 def twin_records(trace: Trace, domain: tuple[str, str], fork: Fork) -> list[Record]:
@@ -220,20 +252,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", choices=("train", "val", "test"))
     p.add_argument("--out", type=Path, help="write the twins (and a manifest) here")
     args = p.parse_args(argv)
+    return run_cli(p.prog, lambda: _report(args))
+
+
+def _report(args: argparse.Namespace) -> int:
     found = near_misses(_paths(args.folder, args.split))
     for nm, _ in found:
         f = nm.fork
         if f is None:
             print(
                 f"none {nm.source.name:44s} peak {nm.peak:.3f}: no tick whose pace reaches"
-                f" the limit within {LEAD_S:g} s with the gate's growth behind the deadline"
+                f" the limit within {LEAD_S:g} s with {GATE_GROWTH_S:g} s of growth behind the"
+                f" deadline"
             )
             continue
         print(
             f"fork {nm.source.name:44s} peak {nm.peak:.3f}: at {f.fork_s:6.1f} s, level"
             f" {f.level:.2f}, pace {f.pace_pct_per_s:.2f} %/s; the twin OOMs at"
-            f" {f.oom_after_s:6.1f} s, deadline {f.deadline_s:6.1f} s, growth"
-            f" {f.growth_at_deadline_s:.0f} s then"
+            f" {f.oom_after_s:6.1f} s (its line), deadline {f.deadline_s:6.1f} s; growth then"
+            f" {f.growth_at_deadline_s:.0f} s by the tracker, a climb of"
+            f" {f.climb_at_deadline_s:.0f} s"
         )
     forked = sum(nm.fork is not None for nm, _ in found)
     print(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from oomcast.model.events import ScheduleEvent
 from oomcast.model.schema import Event, Record, Sample
 from oomcast.model.trace import Trace, load_trace, write_trace
 from oomcast.training.evaluate import Causes, evaluate
+from oomcast.training.evidence import main as evidence_main
 from oomcast.training.twins import LEAD_S, NearMiss, main, near_misses, twin_records
 
 GROWTH_START_S = 120.0
@@ -73,6 +75,8 @@ def test_a_straight_climb_that_stops_has_a_twin_that_ooms_on_time(tmp_path: Path
     assert fork.level == pytest.approx(0.85, abs=0.01)
     assert fork.deadline_s <= fork.fork_s
     assert fork.growth_at_deadline_s >= 30.0
+    # the climb began at 120 s; its deadline is where 60 s of the pace are left (70%)
+    assert fork.climb_at_deadline_s == pytest.approx(fork.deadline_s - GROWTH_START_S, abs=3.0)
     twin = twin_records(trace, nm.domain, fork)
     ooms = [r for r in twin if isinstance(r, Event) and r.event == "oom"]
     assert len(ooms) == 1 and not any(isinstance(r, Event) and r.event == "exit" for r in twin)
@@ -145,6 +149,13 @@ def test_no_twin_where_the_gate_would_not_let_any_forecaster_warn(tmp_path: Path
     assert nm.fork is None
 
 
+def test_no_twin_where_the_tracker_runs_ahead_of_a_young_climb(tmp_path: Path) -> None:
+    # 1.5 %/s from 40%: the line reaches the limit 40 s into the climb, so its deadline
+    # comes 10 s in; the tracker's widest growing window already spans 30 s or more there
+    nm, _ = _near_miss(tmp_path, "young.jsonl", climb_then_stop(1.5, 0.93))
+    assert nm.fork is None
+
+
 def test_a_run_that_exits_mid_climb_gets_a_twin_past_its_recording(tmp_path: Path) -> None:
     records = climb_then_stop(0.5, 0.999, seconds=120 + 108)  # exits at 94%, still climbing
     exit_ev = records.pop()
@@ -209,3 +220,24 @@ def test_every_detector_alerts_on_a_twin_before_its_deadline_as_on_its_near_miss
     (src / "a.jsonl").unlink()
     assert main([str(src), "--out", str(out)]) == 0
     assert sorted(p.name for p in out.glob("*.jsonl.gz")) == ["b-twin.jsonl.gz"]
+
+
+@pytest.mark.parametrize("tool", [main, evidence_main])
+def test_bad_input_is_one_line_that_names_it(
+    tool: Callable[[list[str]], int], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad").mkdir()
+    write_trace(tmp_path / "bad" / "nm.jsonl", climb_then_stop(0.5, 0.93))
+    with (tmp_path / "bad" / "nm.jsonl").open("a") as fh:
+        fh.write('{"ts": 1750000700.0, "node":\n')
+    cases = {
+        (str(tmp_path / "nope"),): "nope: not a folder of traces",
+        (str(tmp_path / "empty"),): "empty: no traces in it",
+        (str(tmp_path / "bad"), "--split", "test"): "has no manifest.json naming splits",
+        (str(tmp_path / "bad"),): "nm.jsonl:602: not valid JSON",
+    }
+    for argv, said in cases.items():
+        assert tool(list(argv)) == 2, argv
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, err

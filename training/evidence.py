@@ -83,7 +83,11 @@ def _paths(folder: Path, split: str | None) -> list[Path]:
             raise ValueError(f"--split {split}: {folder} has no manifest.json naming splits")
         runs = json.loads(manifest.read_text(encoding="utf-8")).get("runs", [])
         entries = runs.values() if isinstance(runs, dict) else runs
-        found = sorted(folder / r["file"] for r in entries if r.get("split") == split)
+        found = sorted(
+            folder / r["file"]
+            for r in entries
+            if isinstance(r, dict) and isinstance(r.get("file"), str) and r.get("split") == split
+        )
     if not found:
         raise ValueError(f"{folder}: no traces in it" + (f" of split {split}" if split else ""))
     return found

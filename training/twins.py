@@ -7,10 +7,10 @@ it still keeps its pace (its last 10 s at least half as fast as its 30 s fit) an
 from there in a straight line at that pace until it OOMs: a leak by the forecaster issue's
 own words ("a climb that keeps its pace to the limit is a leak, however early"). The twin's
 domain records the same samples and events as the near miss's up to that moment (the
-*fork*), and the latest alert that warns the twin 30 s ahead (its *deadline*) comes at or
-before the fork. So every detector that reads the domain's stream, whatever it is, sees the
-same records until the deadline and alerts on both or on neither: it warns the twin in time
-only by alerting on the near miss.
+*fork*), and the latest alert that warns the twin 30 s ahead (its *deadline*) comes before
+the twin's first sample of its own. So every detector that reads the domain's stream,
+whatever it is, sees the same records until the deadline and alerts on both or on neither:
+it warns the twin in time only by alerting on the near miss.
 
 A twin counts only where a forecaster that waits for the evidence gate's 30 s of growth
 (``model/network.py``) could warn it: at the deadline the level had been growing for 30 s,
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -41,7 +42,7 @@ from oomcast.model.embedding import FEATURES, level_frac, tick_rows
 from oomcast.model.network import GATE_GROWTH_S
 from oomcast.model.schema import Event, Record, Sample
 from oomcast.model.trace import Trace, load_trace, write_trace
-from oomcast.training.classes import NEAR_LEVEL
+from oomcast.training.classes import CENSOR_S, NEAR_LEVEL
 from oomcast.training.dataset import TICK_S, Sequence, sequences_of_trace
 from oomcast.training.evidence import _paths, run_cli
 
@@ -78,8 +79,10 @@ class Fork:
 
 def find_fork(seq: Sequence, tick_s: np.ndarray) -> Fork | None:
     """The first tick of a near miss whose twin is a long leak with 30 s of growth behind
-    its deadline, and whose deadline lies at or before the tick; None where no tick has one
-    (the climb was never fast enough that near the limit, or not long enough).
+    its deadline, and whose deadline lies at or before the tick and before the run's last
+    60 s (an alert there would be scored as censored, not as a warned near miss); None where
+    no tick has one (the climb was never fast enough that near the limit, or not long
+    enough).
     ``tick_s``: each row's time, in seconds after the domain's first sample.
 
     Growth is held to two measures, and must last the gate's 30 s by both: the growth
@@ -105,6 +108,10 @@ def find_fork(seq: Sequence, tick_s: np.ndarray) -> Fork | None:
         if left_s > LEAD_S:  # (the growth asked for below also makes the twin long)
             continue
         deadline = tick_s[i] + left_s - LEAD_S  # at or before this tick
+        if deadline >= seq.span_s - CENSOR_S:
+            # an alert this late in the run is scored as censored, not as a warned near
+            # miss: the twin would cost the near miss nothing
+            continue
         j = int(np.searchsorted(tick_s, deadline, side="right")) - 1
         if j < 0 or growth[j] < GATE_GROWTH_S - 1e-6:
             continue
@@ -148,12 +155,22 @@ def twin_records(trace: Trace, domain: tuple[str, str], fork: Fork) -> list[Reco
         line = fork.level + fork.pace_pct_per_s / 100.0 * (ts - fork_ts)
         lift = max(0, math.ceil((line - level_frac(base)) * base.total_bytes))
         twin = _lifted(replace(base, ts=ts), lift)
+        short = math.ceil((line - level_frac(twin)) * base.total_bytes)
+        if short > 0 and twin.allocated_bytes is not None and twin.kind == "host":
+            # use and peak stopped at the capacity, and the peak's share above use with
+            # them: the anonymous memory takes the rest, so the twin stays on its line
+            twin = replace(twin, allocated_bytes=twin.allocated_bytes + short)
         out.append(twin)
         if _full(twin):
             oom_ts = ts
             break
     if oom_ts is None:  # a line with a positive pace reaches the limit: only bad input
         raise ValueError(f"{trace.path}: the twin of {domain[1]} does not reach its limit")
+    if oom_ts - LEAD_S >= out[len(shared)].ts:  # the twin's own samples come after it
+        raise ValueError(
+            f"{trace.path}: the twin of {domain[1]} OOMs at {oom_ts - first:.1f} s, so its"
+            f" deadline is not before its first sample of its own"
+        )
     records: list[Record] = list(out)
     for d, ss in trace.samples.items():
         if d != domain:
@@ -229,7 +246,9 @@ def write_twins(found: list[tuple[NearMiss, Trace]], out: Path) -> list[dict[str
         if nm.fork is None:
             continue
         name = nm.source.name.removesuffix(".gz").removesuffix(".jsonl")
-        file = f"{name}-twin.jsonl.gz"
+        several = sum(other.source == nm.source for other, _ in found) > 1
+        device = "-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", nm.domain[1]) if several else ""
+        file = f"{name}{device}-twin.jsonl.gz"
         records = twin_records(trace, nm.domain, nm.fork)
         write_trace(out / file, records)
         oom = next(r for r in records if isinstance(r, Event) and r.event == "oom")

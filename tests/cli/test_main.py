@@ -20,16 +20,15 @@ from oomcast.cli.common import EXTRAS
 from oomcast.cli.main import build_parser
 
 # Run the CLI in a fresh interpreter where the named top-level modules cannot be imported,
-# as on an image installed without their extra.
+# as on an image installed without their extra. A None in sys.modules is what a missing
+# module looks like both to `import` (ModuleNotFoundError) and to importlib.util.find_spec
+# (None): torch asks find_spec about optional modules such as onnxruntime while it imports,
+# and a finder that raised there made torch's own import fail, which no real install does.
 BLOCKED_RUN = """
-import importlib.abc, sys
-blocked = set(sys.argv[1].split(","))
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name.partition(".")[0] in blocked:
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-sys.meta_path.insert(0, Block())
+import sys
+for name in sys.argv[1].split(","):
+    if name:
+        sys.modules[name] = None
 from oomcast.cli.main import main
 sys.exit(main(sys.argv[2:]))
 """

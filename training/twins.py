@@ -144,7 +144,7 @@ def twin_records(trace: Trace, domain: tuple[str, str], fork: Fork) -> list[Reco
     exit_ts = trace.exit_ts(domain)
     samples = [s for s in trace.samples[domain] if exit_ts is None or s.ts <= exit_ts]
     first = samples[0].ts
-    fork_ts = first + fork.fork_s
+    fork_ts = first + fork.fork_s + 1e-6  # the fork's sample, whatever the float rounding
     shared = [s for s in samples if s.ts <= fork_ts]
     step = float(np.median(np.diff([s.ts for s in samples]))) if len(samples) > 1 else 1.0
     out: list[Sample] = list(shared)

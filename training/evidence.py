@@ -69,7 +69,7 @@ def evidence(paths: list[Path], view: str = "full") -> list[Evidence]:
     return out
 
 
-def _paths(folder: Path, split: str | None) -> list[Path]:
+def traces_in(folder: Path, split: str | None) -> list[Path]:
     """The traces of ``folder`` (of its manifest's ``split``, where one is named). A folder
     that is missing, has no traces, or lacks the manifest a split needs is a ValueError
     that says so."""
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    found = evidence(_paths(args.folder, args.split), args.view)
+    found = evidence(traces_in(args.folder, args.split), args.view)
     for e in found:
         mark = "gate" if e.gated else "seen" if e.visible else "NONE"
         print(f"{mark:4s} {e.trace:60s} growth {e.growth_age_s:6.1f} s, level {e.level:.2f}")

@@ -38,13 +38,13 @@ from pathlib import Path
 
 import numpy as np
 
-from oomcast.model.embedding import FEATURES, level_frac, tick_rows
+from oomcast.model.embedding import FEATURES, level_frac
 from oomcast.model.network import GATE_GROWTH_S
 from oomcast.model.schema import Event, Record, Sample
 from oomcast.model.trace import Trace, load_trace, write_trace
 from oomcast.training.classes import CENSOR_S, NEAR_LEVEL
-from oomcast.training.dataset import TICK_S, Sequence, sequences_of_trace
-from oomcast.training.evidence import _paths, run_cli
+from oomcast.training.dataset import Sequence, sequences_of_trace
+from oomcast.training.evidence import run_cli, traces_in
 
 LEAD_S = 30.0  # the lead the recall goal asks for
 RISE_OVER_S = 10.0  # a tick is in a climb when it stands above the level this long before
@@ -77,20 +77,22 @@ class Fork:
         return self.oom_after_s - LEAD_S
 
 
-def find_fork(seq: Sequence, tick_s: np.ndarray) -> Fork | None:
+def find_fork(seq: Sequence) -> Fork | None:
     """The first tick of a near miss whose twin is a long leak with 30 s of growth behind
     its deadline, and whose deadline lies at or before the tick and before the run's last
     60 s (an alert there would be scored as censored, not as a warned near miss); None where
     no tick has one (the climb was never fast enough that near the limit, or not long
     enough).
-    ``tick_s``: each row's time, in seconds after the domain's first sample.
 
     Growth is held to two measures, and must last the gate's 30 s by both: the growth
     tracker's (``log1p_growth_age_s``, what the shipped gate reads: the widest window whose
     slope is beyond noise, which can run ahead of the climb) and how long every tick has
     stood above the level 10 s before it (how long the climb has lasted)."""
-    if seq.ooms or seq.max_level < NEAR_LEVEL:
+    if seq.ooms or seq.max_level < NEAR_LEVEL or seq.known is None:
         return None
+    # each row's time after the first sample: a run without an OOM knows its future up to
+    # its end, span_s after its first sample
+    tick_s = seq.span_s - seq.known
     growth = np.expm1(seq.x[:, _GROWTH].astype(np.float64))
     levels = seq.x[:, _LEVEL].astype(np.float64)
     for i in range(len(tick_s)):
@@ -226,11 +228,7 @@ def near_misses(paths: list[Path]) -> list[tuple[NearMiss, Trace]]:
             seqs = sequences_of_trace(alone, path.name)
             if not seqs or seqs[0].max_level < NEAR_LEVEL:
                 continue
-            # each row's time, as sequences_of_trace picks its rows
-            exit_ts = alone.exit_ts(domain)
-            kept = [s.ts for s in samples if exit_ts is None or s.ts <= exit_ts]
-            tick_s = np.asarray([kept[i] - kept[0] for i in tick_rows(kept, TICK_S)])
-            fork = find_fork(seqs[0], tick_s)
+            fork = find_fork(seqs[0])
             out.append((NearMiss(path, domain, seqs[0].max_level, fork), trace))
     return out
 
@@ -275,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    found = near_misses(_paths(args.folder, args.split))
+    found = near_misses(traces_in(args.folder, args.split))
     for nm, _ in found:
         f = nm.fork
         if f is None:

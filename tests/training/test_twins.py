@@ -112,8 +112,10 @@ def _features(level: np.ndarray, pace: float, growth_s: float) -> Sequence:
     x[climbing, FEATURES.index("log1p_growth_age_s")] = math.log1p(growth_s)
     n = len(level)
     zeros = np.zeros((n, 1), dtype=np.float32)
+    span = float(n - 1)
     return Sequence("hand", x, zeros, zeros, np.full(n, np.inf), False,
-                    max_level=float(level.max()), span_s=float(n - 1))  # fmt: skip
+                    known=span - np.arange(n, dtype=np.float64),
+                    max_level=float(level.max()), span_s=span)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -130,7 +132,7 @@ def test_the_gate_s_growth_is_asked_of_both_measures(
     t = np.arange(400.0)
     start_level = 0.4 if start_s == 100 else 0.6
     level = np.minimum(start_level + pace / 100 * np.maximum(t - start_s, 0.0), 0.93)
-    fork = find_fork(_features(level, pace, growth_s), t)
+    fork = find_fork(_features(level, pace, growth_s))
     assert (fork is not None) == forks
     if fork is not None:
         # 30 s of the pace left at 85%: the deadline is the fork, 90 s into the climb
